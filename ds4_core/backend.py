@@ -1,0 +1,131 @@
+"""The backend contract: weights on a device and the op dispatcher models call.
+
+A backend turns GGUF tensors into :class:`Weight` objects in its own form and
+supplies one kernel per op. Model graphs call ops through :class:`Ops`, which
+binds the chosen backend's kernels, so models and backends never import each
+other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from types import ModuleType
+from typing import Any
+
+import attrs
+import numpy as np
+
+from .errors import BackendError, GGUFTensorError
+
+
+@attrs.frozen(eq=False)
+class Weight:
+    """A model tensor as a backend holds it.
+
+    ``shape`` is the logical numpy-order shape (e.g. ``[out, in]`` or ``[experts, out, in]``),
+    ``qtype`` the GGML type name it came from (``"Q8_0"``, ``"F16"`` …), ``data`` the
+    backend's payload (the numpy backend holds float32 values; a GPU backend raw blocks).
+    """
+
+    name: str
+    qtype: str
+    shape: tuple[int, ...]
+    data: Any
+
+
+class Backend:
+    """Base class of backends; subclasses set ``name``, ``xp`` and implement ``upload``.
+
+    ``xp`` is a numpy-compatible array namespace (numpy, cupy …) used for the
+    small glue arithmetic of model graphs.
+    """
+
+    name: str = "?"
+    xp: ModuleType = np
+
+    def upload(self, name: str, qtype: str, shape: tuple[int, ...], raw: np.ndarray) -> Weight:
+        """Make a :class:`Weight` from raw GGUF bytes (uint8, the tensor's exact blocks)."""
+        raise NotImplementedError
+
+    def asarray(self, a: Any, dtype: Any = None) -> Any:
+        """Move a host array to the backend."""
+        return self.xp.asarray(a, dtype=dtype)
+
+    def to_numpy(self, a: Any) -> np.ndarray:
+        """Bring a backend array back to the host."""
+        return np.asarray(a)
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (no-op on the host)."""
+
+    def memory_info(self) -> dict[str, int]:
+        """Bytes in use / peak on the device, where known."""
+        return {}
+
+
+class Ops:
+    """The op vocabulary bound to one backend: ``ops.linear(x, w)`` calls its kernel."""
+
+    def __init__(self, backend: Backend, kernels: Mapping[str, Callable[..., Any]]):
+        self.backend = backend
+        self.xp = backend.xp
+        self._kernels = dict(kernels)
+
+    def __getattr__(self, op: str) -> Callable[..., Any]:
+        try:
+            return self._kernels[op]
+        except KeyError:
+            raise BackendError(f"backend {self.backend.name!r} has no kernel for op {op!r}") from None
+
+    def has(self, op: str) -> bool:
+        return op in self._kernels
+
+    def missing(self, required: Iterable[str]) -> list[str]:
+        """The ops of ``required`` this backend cannot run, sorted."""
+        return sorted(set(required) - set(self._kernels))
+
+
+class WeightLoader:
+    """Validates GGUF tensors against what a model expects and uploads them, reporting progress.
+
+    ``gguf`` is a :class:`ds4_core.gguf.GGUFFile`; ``progress(nbytes)`` is called after each upload.
+    """
+
+    def __init__(self, gguf: Any, backend: Backend, progress: Callable[[int], None] | None = None):
+        self.gguf = gguf
+        self.backend = backend
+        self._progress = progress or (lambda n: None)
+
+    def has(self, name: str) -> bool:
+        return name in self.gguf.tensors
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None, types: Iterable[str] | None = None) -> Weight:
+        """Upload tensor ``name``; ``shape`` (numpy order) and ``types`` (GGML names) are checked if given."""
+        info = self.gguf.require_tensor(name, shape=shape, types=tuple(types) if types is not None else None)
+        raw = self.gguf.tensor_bytes(name)
+        weight = self.backend.upload(name, info.type_name, tuple(info.shape), raw)
+        self._progress(info.nbytes)
+        return weight
+
+    def optional(self, name: str, shape: tuple[int, ...] | None = None,
+                 types: Iterable[str] | None = None) -> Weight | None:
+        """Like :meth:`get`, but ``None`` when the file has no such tensor."""
+        return self.get(name, shape, types) if self.has(name) else None
+
+    def array(self, name: str, dtype: Any = np.float32, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """A small tensor as a host array (dequantized), e.g. a lookup table used on the host."""
+        from .quants import dequantize
+
+        info = self.gguf.require_tensor(name, shape=shape)
+        if info.type_name in ("I32", "I16", "I8", "I64"):
+            out = np.array(self.gguf.tensor_array(name), dtype=dtype)
+        else:
+            out = dequantize(self.gguf.tensor_bytes(name), info.qtype, tuple(info.shape)).astype(dtype)
+        self._progress(info.nbytes)
+        return out
+
+
+def expect(cond: bool, message: str) -> None:
+    """Raise :class:`GGUFTensorError` with ``message`` unless ``cond``."""
+    if not cond:
+        raise GGUFTensorError(message)

@@ -1,0 +1,1 @@
+"""Backends shipped with ds4-core (only the numpy reference; GPU backends are plugins)."""

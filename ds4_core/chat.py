@@ -1,0 +1,93 @@
+"""The chat contract between model plugins and frontends.
+
+A model plugin's chat factory returns a :class:`ChatFormat`. Frontends give it
+OpenAI-style message dicts and read back typed stream events, so the same
+server and CLI serve every model family.
+
+Messages are dicts with ``role`` in ``system | developer | user | assistant | tool``,
+``content`` (a string), and optionally ``reasoning_content`` (assistant),
+``tool_calls`` (assistant: ``[{"id", "type": "function", "function": {"name", "arguments"}}]``
+with ``arguments`` a JSON string) and ``tool_call_id`` / ``name`` (tool).
+Tools are OpenAI function definitions ``{"type": "function", "function": {"name", "description", "parameters"}}``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal, Protocol
+
+import attrs
+
+Thinking = Literal["none", "high", "max"]
+
+
+@attrs.frozen
+class ContentDelta:
+    """Visible answer text."""
+
+    text: str
+
+
+@attrs.frozen
+class ReasoningDelta:
+    """Text of the model's reasoning (inside ``<think>`` or the family's equivalent)."""
+
+    text: str
+
+
+@attrs.frozen
+class ToolCallStart:
+    """A tool call ``index`` (0-based within the reply) has begun and its name is known."""
+
+    index: int
+    id: str
+    name: str
+
+
+@attrs.frozen
+class ToolCallArgsDelta:
+    """More of tool call ``index``'s JSON arguments; the concatenation is a JSON object."""
+
+    index: int
+    text: str
+
+
+@attrs.frozen
+class ToolCallEnd:
+    """Tool call ``index`` is complete; ``arguments`` is its full JSON text."""
+
+    index: int
+    arguments: str
+
+
+StreamEvent = ContentDelta | ReasoningDelta | ToolCallStart | ToolCallArgsDelta | ToolCallEnd
+
+
+class StreamParser(Protocol):
+    """Turns decoded text, pushed piece by piece, into stream events."""
+
+    def feed(self, text: str) -> list[StreamEvent]:
+        """Consume more generated text; return the events it completes."""
+
+    def finish(self) -> list[StreamEvent]:
+        """Flush at end of generation (incomplete tool calls become content)."""
+
+
+class ChatFormat(Protocol):
+    """A model family's prompt renderer and reply parser."""
+
+    #: Literal strings that end generation (besides the tokenizer's EOS).
+    stop_strings: tuple[str, ...]
+
+    def render(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        tools: Sequence[dict[str, Any]] | None = None,
+        thinking: Thinking = "none",
+        add_generation_prompt: bool = True,
+    ) -> str:
+        """Render a conversation to prompt text; special tokens appear as their literal strings."""
+
+    def parser(self, *, thinking: Thinking = "none", tools: bool = False) -> StreamParser:
+        """A fresh parser for one reply rendered with the same ``thinking`` setting."""

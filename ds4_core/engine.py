@@ -1,0 +1,334 @@
+"""Engine and Session: load a GGUF with the right plugins, then feed, sample and chat.
+
+``Engine.load(path)`` resolves the model plugin from ``general.architecture``,
+picks a backend, uploads the weights and returns an :class:`Engine`.
+``engine.new_session()`` gives a :class:`Session` holding one sequence's
+decoding state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+from .backend import Backend, Ops, WeightLoader
+from .chat import ChatFormat, StreamEvent, Thinking
+from .descriptors import BackendSpec, ModelSpec, resolve
+from .errors import BackendError, ContextError, Ds4Error, ModelConfigError
+from .gguf import GGUFFile
+from .log import get_logger
+from .model import Model, copy_state
+from .plugins import PluginManager, Registry, get_plugin_manager
+from .sampling import Sampler, SamplingParams
+from .tokenizer import Tokenizer
+
+#: Tokens fed per prefill step; bounds scratch memory on every backend.
+DEFAULT_PREFILL_CHUNK = 512
+
+
+@attrs.frozen
+class BackendChoice:
+    """One backend considered by selection, and why it was or was not usable."""
+
+    spec: BackendSpec
+    usable: bool
+    reason: str
+
+
+def probe_backends(registry: Registry, model: ModelSpec | None = None,
+                   quant_types: Iterable[str] = ()) -> list[BackendChoice]:
+    """Probe every registered backend (highest priority first) against a model's ops and quant types."""
+    quant_types = set(quant_types)
+    choices = []
+    for spec in sorted(registry.backends.values(), key=lambda s: -s.priority):
+        try:
+            ok, reason = resolve(spec.probe)()
+        except Exception as exc:  # noqa: BLE001 - a broken probe is a reason, not a crash
+            ok, reason = False, f"probe failed: {type(exc).__name__}: {exc}"
+        if ok and model is not None:
+            missing = sorted(set(model.ops) - set(registry.kernels_for(spec.name)))
+            if missing:
+                ok, reason = False, f"no kernels for ops: {', '.join(missing)}"
+        if ok and quant_types and spec.quant_types:
+            unsupported = sorted(quant_types - set(spec.quant_types))
+            if unsupported:
+                ok, reason = False, f"cannot hold tensor types: {', '.join(unsupported)}"
+        choices.append(BackendChoice(spec, bool(ok), reason))
+    return choices
+
+
+def _choose_backend(registry: Registry, name: str, model: ModelSpec, quant_types: set[str]) -> BackendSpec:
+    choices = probe_backends(registry, model, quant_types)
+    if name != "auto":
+        spec = registry.backend(name)
+        if spec is None:
+            known = ", ".join(sorted(registry.backends)) or "none"
+            raise BackendError(f"unknown backend {name!r}; installed backends: {known} "
+                               f"(install one with e.g. pip install 'ds4-core[cuda]')")
+        choice = next(c for c in choices if c.spec is spec)
+        if not choice.usable:
+            raise BackendError(f"backend {spec.name!r} cannot run this model: {choice.reason}")
+        return spec
+    for choice in choices:
+        if choice.usable:
+            return choice.spec
+    lines = "\n".join(f"  {c.spec.name}: {c.reason}" for c in choices)
+    raise BackendError(f"no backend can run model {model.name!r}:\n{lines}")
+
+
+class Engine:
+    """A loaded model with its tokenizer, chat format and backend."""
+
+    def __init__(self, *, path: Path, gguf: GGUFFile, spec: ModelSpec, model: Model, backend: Backend,
+                 ops: Ops, tokenizer: Tokenizer, chat_format: ChatFormat | None, ctx: int, registry: Registry):
+        self.path = path
+        self.gguf = gguf
+        self.spec = spec
+        self.model = model
+        self.backend = backend
+        self.ops = ops
+        self.tokenizer = tokenizer
+        self.chat_format = chat_format
+        self.ctx = ctx
+        self.registry = registry
+
+    @classmethod
+    def load(cls, path: str | Path, *, backend: str = "auto", ctx: int | None = None, plugins: Sequence[Any] = (),
+             load_entrypoints: bool = True, progress: bool | Callable[[int, int], None] = False,
+             **options: Any) -> Engine:
+        """Load the GGUF at ``path``.
+
+        ``backend`` is a backend name or ``"auto"`` (highest-priority backend that covers the
+        model's ops and the file's tensor types; never a silent fallback). ``ctx`` is the
+        context length (default: the model's maximum, capped at 4096). ``plugins`` are extra
+        plugin objects to register; ``progress`` shows a bar on stderr (True) or calls
+        ``progress(done_bytes, total_bytes)``. Remaining ``options`` go to the model loader.
+        """
+        path = Path(path)
+        pm = get_plugin_manager() if load_entrypoints and not plugins else PluginManager(
+            load_entrypoints=load_entrypoints, plugins=plugins)
+        registry = pm.registry
+        gguf = GGUFFile.open(path)
+        try:
+            spec = registry.model_for_architecture(gguf.architecture)
+            if spec is None:
+                known = sorted(a for s in registry.models.values() for a in s.architectures)
+                failed = "".join(f"\n  plugin {i.name} ({i.distribution}) failed: {i.error}" for i in pm.errors())
+                raise ModelConfigError(
+                    f"{path.name}: no installed model plugin handles architecture {gguf.architecture!r} "
+                    f"(known: {', '.join(known) or 'none'}); install the matching plugin, "
+                    f"e.g. pip install 'ds4-core[deepseek4]'{failed}")
+            quant_types = {t.type_name for t in gguf.tensors.values()}
+            bspec = _choose_backend(registry, backend, spec, quant_types)
+            be: Backend = resolve(bspec.factory)()
+            kernels = {op: resolve(k.impl) for op, k in registry.kernels_for(bspec.name).items()}
+            ops = Ops(be, kernels)
+            tokenizer = Tokenizer.from_metadata(gguf.metadata)
+            chat_format = resolve(spec.chat)() if spec.chat else None
+            total = sum(t.nbytes for t in gguf.tensors.values())
+            log = get_logger(model=spec.name, backend=bspec.name, file=path.name)
+            t0 = time.perf_counter()
+            with _progress(progress, total, f"loading {path.name}") as report:
+                model = resolve(spec.loader)(gguf, WeightLoader(gguf, be, report), ops, dict(options))
+            be.synchronize()
+            max_ctx = int(model.max_context)
+            ctx = min(max_ctx, 4096) if ctx is None else int(ctx)
+            if ctx < 1 or ctx > max_ctx:
+                raise ContextError(f"context {ctx} is outside what {spec.name} supports (1..{max_ctx}); "
+                                   f"pass a smaller --ctx")
+            log.info("model loaded", seconds=round(time.perf_counter() - t0, 3), ctx=ctx,
+                     state_mib=round(model.state_nbytes(ctx) / 2**20, 2))
+        except BaseException:
+            gguf.close()
+            raise
+        return cls(path=path, gguf=gguf, spec=spec, model=model, backend=be, ops=ops, tokenizer=tokenizer,
+                   chat_format=chat_format, ctx=ctx, registry=registry)
+
+    def new_session(self) -> Session:
+        """A fresh session with empty state."""
+        return Session(self)
+
+    def sampler(self, params: SamplingParams) -> Sampler:
+        """A sampler running the registered stages in order."""
+        stages = [resolve(s.impl) for s in sorted(self.registry.samplers.values(), key=lambda s: s.order)]
+        return Sampler(params, stages)
+
+    def render(self, messages: Sequence[dict[str, Any]], *, tools: Sequence[dict[str, Any]] | None = None,
+               thinking: Thinking = "none") -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template."""
+        if self.chat_format is None:
+            raise Ds4Error(f"model {self.spec.name!r} has no chat format; use generate() with raw text")
+        text = self.chat_format.render(messages, tools=tools, thinking=thinking)
+        return self.tokenizer.encode(text, special=True)
+
+    def chat(self, messages: Sequence[dict[str, Any]], *, tools: Sequence[dict[str, Any]] | None = None,
+             thinking: Thinking = "none", max_tokens: int = 512,
+             sampling: SamplingParams | None = None) -> Iterator[StreamEvent]:
+        """Stream the reply to ``messages`` as chat events (content, reasoning, tool calls)."""
+        prompt = self.render(messages, tools=tools, thinking=thinking)
+        assert self.chat_format is not None  # render() raised otherwise
+        parser = self.chat_format.parser(thinking=thinking, tools=bool(tools))
+        stop = tuple(self.chat_format.stop_strings)
+        for piece in self.new_session().generate(prompt, max_tokens=max_tokens, sampling=sampling,
+                                                 stop_strings=stop):
+            yield from parser.feed(piece.text)
+        yield from parser.finish()
+
+    def close(self) -> None:
+        self.gguf.close()
+
+
+@attrs.frozen
+class Generated:
+    """One generated token and the text it completed (may be empty mid-UTF-8 sequence)."""
+
+    id: int
+    text: str
+
+
+@attrs.frozen
+class Snapshot:
+    """A session's state at one point, restorable any number of times."""
+
+    tokens: tuple[int, ...]
+    state: Any
+    last_logits: np.ndarray | None
+
+
+class Session:
+    """One sequence's decoding state on an engine."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.tokens: list[int] = []
+        self.state = engine.model.new_state(engine.ctx)
+        self.last_logits: np.ndarray | None = None
+        self.prefill_chunk = DEFAULT_PREFILL_CHUNK
+
+    @property
+    def remaining(self) -> int:
+        """Tokens that still fit in the context."""
+        return self.engine.ctx - len(self.tokens)
+
+    def feed(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Advance the state by ``token_ids``; return float32 logits ``[n, vocab]``, one row per token."""
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            return np.zeros((0, self.engine.model.vocab_size), np.float32)
+        vocab = self.engine.model.vocab_size
+        if ids.min() < 0 or ids.max() >= vocab:
+            raise Ds4Error(f"token id out of range 0..{vocab - 1}: {int(ids.max() if ids.max() >= vocab else ids.min())}")
+        if ids.size > self.remaining:
+            raise ContextError(f"{ids.size} tokens do not fit: {len(self.tokens)} of {self.engine.ctx} context "
+                               f"tokens are used; start a new session or load with a larger ctx")
+        out = []
+        for start in range(0, ids.size, self.prefill_chunk):
+            chunk = ids[start:start + self.prefill_chunk].astype(np.int32)
+            logits = self.engine.model.forward(chunk, self.state)
+            out.append(np.asarray(self.engine.backend.to_numpy(logits), dtype=np.float32))
+            self.tokens.extend(int(t) for t in chunk)
+        result = np.concatenate(out, axis=0)
+        self.last_logits = result[-1].copy()
+        return result
+
+    def snapshot(self) -> Snapshot:
+        """Capture the current state."""
+        logits = None if self.last_logits is None else self.last_logits.copy()
+        return Snapshot(tuple(self.tokens), copy_state(self.state), logits)
+
+    def restore(self, snap: Snapshot) -> None:
+        """Return to ``snap`` exactly (the snapshot stays reusable)."""
+        self.tokens = list(snap.tokens)
+        self.state = copy_state(snap.state)
+        self.last_logits = None if snap.last_logits is None else snap.last_logits.copy()
+
+    def generate(self, prompt: Sequence[int] = (), *, max_tokens: int = 256, sampling: SamplingParams | None = None,
+                 stop_ids: Iterable[int] | None = None, stop_strings: Sequence[str] = ()) -> Iterator[Generated]:
+        """Feed ``prompt`` then sample up to ``max_tokens`` tokens, yielding each with its text.
+
+        Stops at the tokenizer's EOS (or ``stop_ids``) and after any of ``stop_strings``
+        (the stop text itself is not yielded). Closing the generator stops generation cleanly.
+        """
+        tok = self.engine.tokenizer
+        stops = set(stop_ids) if stop_ids is not None else ({tok.eos_id} if tok.eos_id is not None else set())
+        sampler = self.engine.sampler(sampling or SamplingParams())
+        if len(prompt):
+            self.feed(prompt)
+        if self.last_logits is None:
+            raise Ds4Error("nothing to continue from: give a prompt")
+        decoder = tok.incremental_decoder()
+        held = ""  # text withheld because it may be the start of a stop string
+        for _ in range(min(max_tokens, self.remaining + 1)):
+            token = sampler.sample(self.last_logits)
+            if token in stops:
+                break
+            text = held + decoder.push(token)
+            cut = _find_stop(text, stop_strings)
+            if cut is not None:
+                if text[:cut]:
+                    yield Generated(token, text[:cut])
+                return
+            keep = _partial_stop_suffix(text, stop_strings)
+            held = text[len(text) - keep:] if keep else ""
+            yield Generated(token, text[:len(text) - keep])
+            if self.remaining == 0:
+                break
+            self.feed([token])
+        tail = held + decoder.flush()
+        cut = _find_stop(tail, stop_strings)
+        tail = tail if cut is None else tail[:cut]
+        if tail:
+            yield Generated(-1, tail)
+
+
+def _find_stop(text: str, stops: Sequence[str]) -> int | None:
+    hits = [i for s in stops if (i := text.find(s)) >= 0]
+    return min(hits) if hits else None
+
+
+def _partial_stop_suffix(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
+
+
+class _progress:
+    """Context manager yielding ``report(nbytes)``: a rich bar on stderr, a callback, or nothing."""
+
+    def __init__(self, progress: bool | Callable[[int, int], None], total: int, label: str):
+        self.progress, self.total, self.label = progress, total, label
+        self.done = 0
+        self.bar: Any = None
+
+    def __enter__(self) -> Callable[[int], None]:
+        if self.progress is True:
+            from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+            from .console import stderr_console
+
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                                TimeRemainingColumn(), console=stderr_console(), transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task(self.label, total=self.total)
+        return self.report
+
+    def report(self, nbytes: int) -> None:
+        self.done += nbytes
+        if self.bar is not None:
+            self.bar.update(self.task, completed=self.done)
+        elif callable(self.progress):
+            self.progress(self.done, self.total)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()

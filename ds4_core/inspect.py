@@ -1,0 +1,144 @@
+"""``ds4 info``, ``ds4 plugins`` and ``ds4 backends``: what is in a file and what is installed."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from .console import stdout_console
+from .descriptors import resolve
+from .gguf import GGUFFile
+from .plugins import get_plugin_manager
+
+
+def _human(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if nbytes < 1024 or unit == "TiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
+        nbytes /= 1024
+    return ""
+
+
+def _count(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(int(n))
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    if isinstance(value, list):
+        head = ", ".join(_short(v, 20) for v in value[:6])
+        return f"[{head}{', …' if len(value) > 6 else ''}] ({len(value)} items)"
+    text = repr(value) if isinstance(value, str) else str(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def file_summary(gguf: GGUFFile) -> dict[str, Any]:
+    """Architecture, parameter count, tensor types, tokenizer and the model plugin's own summary."""
+    md = gguf.metadata
+    types: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+    params = 0
+    for t in gguf.tensors.values():
+        n = 1
+        for d in t.shape:
+            n *= d
+        params += n
+        row = types[t.type_name]
+        row[0] += 1
+        row[1] += n
+        row[2] += t.nbytes
+    spec = get_plugin_manager().registry.model_for_architecture(gguf.architecture)
+    model: dict[str, str] = {}
+    if spec is not None and spec.describe:
+        model = resolve(spec.describe)(gguf)
+    tokens = md.get("tokenizer.ggml.tokens") or []
+    template = md.get("tokenizer.chat_template")
+    return {
+        "file": str(gguf.path),
+        "architecture": gguf.architecture,
+        "name": md.get("general.name"),
+        "plugin": spec.name if spec else None,
+        "parameters": params,
+        "tensor_bytes": sum(t.nbytes for t in gguf.tensors.values()),
+        "tensors": len(gguf.tensors),
+        "types": {k: {"tensors": v[0], "elements": v[1], "bytes": v[2]} for k, v in sorted(types.items())},
+        "model": model,
+        "tokenizer": {"model": md.get("tokenizer.ggml.model"), "pre": md.get("tokenizer.ggml.pre"),
+                      "vocab": len(tokens), "merges": len(md.get("tokenizer.ggml.merges") or []),
+                      "bos": md.get("tokenizer.ggml.bos_token_id"), "eos": md.get("tokenizer.ggml.eos_token_id")},
+        "chat_template": template,
+    }
+
+
+def info_command(path: Path, *, as_json: bool) -> None:
+    """Print the summary of the GGUF at ``path`` (tensor data may be absent)."""
+    with GGUFFile.open(path, require_data=False) as gguf:
+        summary = file_summary(gguf)
+        metadata = {k: gguf.metadata.get(k) for k in gguf.metadata.keys()}
+    if as_json:
+        summary["metadata"] = {k: v if not isinstance(v, list) or len(v) < 64 else f"<{len(v)} items>"
+                               for k, v in metadata.items()}
+        print(json.dumps(summary, indent=2, default=str))
+        return
+    console = stdout_console()
+    head = Table(title=f"{path.name}", show_header=False)
+    head.add_row("architecture", f"{summary['architecture']} (plugin: {summary['plugin'] or 'not installed'})")
+    if summary["name"]:
+        head.add_row("name", str(summary["name"]))
+    head.add_row("parameters", _count(summary["parameters"]))
+    head.add_row("tensor data", _human(summary["tensor_bytes"]) + f" in {summary['tensors']} tensors")
+    for key, value in summary["model"].items():
+        head.add_row(key, str(value))
+    tok = summary["tokenizer"]
+    head.add_row("tokenizer", f"{tok['model']} / pre {tok['pre']}: {tok['vocab']} tokens, {tok['merges']} merges, "
+                              f"bos {tok['bos']}, eos {tok['eos']}")
+    template = summary["chat_template"]
+    head.add_row("chat template", f"{len(template)} chars" if template else "none (the plugin renders chats)")
+    console.print(head)
+    types = Table(title="tensor types")
+    for col in ("type", "tensors", "parameters", "bytes"):
+        types.add_column(col, justify="right" if col != "type" else "left")
+    for name, row in summary["types"].items():
+        types.add_row(name, str(row["tensors"]), _count(row["elements"]), _human(row["bytes"]))
+    console.print(types)
+    meta = Table(title="metadata")
+    meta.add_column("key")
+    meta.add_column("value", overflow="fold")
+    for key, value in metadata.items():
+        meta.add_row(key, _short(value))
+    console.print(meta)
+
+
+def plugins_report() -> list[dict[str, Any]]:
+    """One entry per plugin: name, distribution, version, hooks, what it provides, and its load error."""
+    pm = get_plugin_manager()
+    reg = pm.registry
+    provides: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for (hook, key), dist in reg.owners.items():
+        provides[dist][hook.removeprefix("register_")].append(key)
+    return [{"name": i.name, "distribution": i.distribution, "version": i.version, "hooks": list(i.hooks),
+             "provides": {k: sorted(v) for k, v in provides.get(i.distribution, {}).items()},
+             "error": i.error} for i in pm.infos]
+
+
+def backends_command(*, as_json: bool) -> None:
+    """Print the probe result of every backend."""
+    from .engine import probe_backends
+
+    choices = probe_backends(get_plugin_manager().registry)
+    rows = [{"name": c.spec.name, "device": c.spec.device, "priority": c.spec.priority, "available": c.usable,
+             "reason": c.reason, "quant_types": list(c.spec.quant_types)} for c in choices]
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table(title="backends")
+    for col in ("name", "device", "priority", "available", "reason"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["name"], r["device"], str(r["priority"]), "yes" if r["available"] else "no", r["reason"])
+    stdout_console().print(table)

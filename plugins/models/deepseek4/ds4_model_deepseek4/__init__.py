@@ -1,0 +1,1 @@
+"""DeepSeek V4 model family for ds4-core."""

@@ -1,0 +1,92 @@
+"""Per-layer decoding state of DeepSeek V4 (spec §9.1), preallocated for a context of ``ctx`` tokens.
+
+Nothing but these arrays and the token count is carried between calls: the raw K=V window
+ring, and per compressor (main and indexer) the open window's projections, the previous
+window's ``Ca`` half (CSA) and the emitted compressed rows.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import attrs
+
+from .config import DeepSeekV4Config
+
+
+@attrs.define
+class CompressorState:
+    """One compressor's state; ``m`` = ratio, ``d`` = emitted row width, ``coff`` = 2 for CSA (overlap), else 1.
+
+    ``buf_kv``/``buf_gate`` ``[m, coff·d]``: projections (gate with ape) of the open window's tokens, slot =
+    position mod m. ``prev_kv``/``prev_gate`` ``[m, d]`` (CSA only): the ``Ca`` half of the last complete
+    window; the gate starts at ``-inf`` so window 0 pools its ``Cb`` slots alone. ``rows [ctx // m, d]``:
+    emitted rows, row w pooled from window w and RoPE'd at position ``w·m``.
+    """
+
+    m: int
+    buf_kv: Any
+    buf_gate: Any
+    prev_kv: Any | None
+    prev_gate: Any | None
+    rows: Any
+
+    @classmethod
+    def empty(cls, xp: ModuleType, m: int, d: int, overlap: bool, ctx: int) -> CompressorState:
+        coff = 2 if overlap else 1
+        prev_kv = xp.zeros((m, d), dtype=xp.float32) if overlap else None
+        prev_gate = xp.full((m, d), -xp.inf, dtype=xp.float32) if overlap else None
+        return cls(m=m, buf_kv=xp.zeros((m, coff * d), dtype=xp.float32),
+                   buf_gate=xp.zeros((m, coff * d), dtype=xp.float32), prev_kv=prev_kv, prev_gate=prev_gate,
+                   rows=xp.zeros((ctx // m, d), dtype=xp.float32))
+
+    @staticmethod
+    def nbytes(m: int, d: int, overlap: bool, ctx: int) -> int:
+        coff = 2 if overlap else 1
+        return 4 * (2 * m * coff * d + (2 * m * d if overlap else 0) + (ctx // m) * d)
+
+
+@attrs.define
+class LayerState:
+    """``raw [W, hd]``: K=V rows of the last W positions, position p in slot p mod W."""
+
+    raw: Any
+    compressor: CompressorState | None = None
+    indexer: CompressorState | None = None
+
+
+@attrs.define
+class DeepSeekV4State:
+    """The whole decoding state: ``n_tokens`` fed so far (the next position) and one :class:`LayerState` per layer."""
+
+    ctx: int
+    n_tokens: int
+    layers: list[LayerState]
+
+
+def new_state(config: DeepSeekV4Config, ctx: int, xp: ModuleType) -> DeepSeekV4State:
+    """Empty state for ``ctx`` tokens, arrays allocated with ``xp`` (numpy or cupy)."""
+    layers = []
+    for layer in range(config.num_layers):
+        kind, m = config.layer_kind(layer), config.compress_ratios[layer]
+        state = LayerState(raw=xp.zeros((config.sliding_window, config.head_dim), dtype=xp.float32))
+        if kind != "sliding":
+            state.compressor = CompressorState.empty(xp, m, config.head_dim, kind == "csa", ctx)
+        if kind == "csa":
+            state.indexer = CompressorState.empty(xp, m, config.index_head_dim, True, ctx)
+        layers.append(state)
+    return DeepSeekV4State(ctx=ctx, n_tokens=0, layers=layers)
+
+
+def state_nbytes(config: DeepSeekV4Config, ctx: int) -> int:
+    """Bytes :func:`new_state` allocates for ``ctx`` tokens."""
+    total = 0
+    for layer in range(config.num_layers):
+        kind, m = config.layer_kind(layer), config.compress_ratios[layer]
+        total += 4 * config.sliding_window * config.head_dim
+        if kind != "sliding":
+            total += CompressorState.nbytes(m, config.head_dim, kind == "csa", ctx)
+        if kind == "csa":
+            total += CompressorState.nbytes(m, config.index_head_dim, True, ctx)
+    return total
