@@ -7,4 +7,4 @@ __version__ = "0.1.0"
 #: Incremented when the hook contract changes incompatibly; plugins declare the one they target.
 PLUGIN_API_VERSION = 1
 
-__all__ = ["Ds4Error", "PLUGIN_API_VERSION", "__version__"]
+__all__ = ["PLUGIN_API_VERSION", "Ds4Error", "__version__"]

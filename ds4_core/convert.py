@@ -17,7 +17,8 @@ def hf_architectures(src: Path) -> list[str]:
     try:
         config = json.loads(config_path.read_text())
     except FileNotFoundError:
-        raise ConversionError(f"{src} has no config.json; point ds4 convert at a Hugging Face model directory") from None
+        raise ConversionError(f"{src} has no config.json; point ds4 convert at a Hugging Face model directory") \
+            from None
     except json.JSONDecodeError as exc:
         raise ConversionError(f"{config_path} is not valid JSON: {exc}") from None
     names = list(config.get("architectures") or [])

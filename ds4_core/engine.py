@@ -48,7 +48,7 @@ def probe_backends(registry: Registry, model: ModelSpec | None = None,
     for spec in sorted(registry.backends.values(), key=lambda s: -s.priority):
         try:
             ok, reason = resolve(spec.probe)()
-        except Exception as exc:  # noqa: BLE001 - a broken probe is a reason, not a crash
+        except Exception as exc:
             ok, reason = False, f"probe failed: {type(exc).__name__}: {exc}"
         if ok and model is not None:
             missing = sorted(set(model.ops) - set(registry.kernels_for(spec.name)))
@@ -222,7 +222,8 @@ class Session:
             return np.zeros((0, self.engine.model.vocab_size), np.float32)
         vocab = self.engine.model.vocab_size
         if ids.min() < 0 or ids.max() >= vocab:
-            raise Ds4Error(f"token id out of range 0..{vocab - 1}: {int(ids.max() if ids.max() >= vocab else ids.min())}")
+            bad = int(ids.max() if ids.max() >= vocab else ids.min())
+            raise Ds4Error(f"token id {bad} is out of range 0..{vocab - 1} for this model")
         if ids.size > self.remaining:
             raise ContextError(f"{ids.size} tokens do not fit: {len(self.tokens)} of {self.engine.ctx} context "
                                f"tokens are used; start a new session or load with a larger ctx")

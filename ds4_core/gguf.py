@@ -47,6 +47,8 @@ _SCALAR_FORMATS: dict[GGUFValueType, str] = {
 _SCALAR_DTYPES: dict[GGUFValueType, np.dtype] = {
     vtype: np.dtype(fmt).newbyteorder("<") for vtype, fmt in _SCALAR_FORMATS.items()
 }
+_U64 = struct.Struct("<Q")
+_STRUCTS = {fmt: struct.Struct(fmt) for fmt in {*_SCALAR_FORMATS.values(), "<I", "<Q"}}
 _INT_TYPES = frozenset({V.UINT8, V.INT8, V.UINT16, V.INT16, V.UINT32, V.INT32, V.UINT64, V.INT64})
 # ds4 reads float hyperparameters stored as any of these.
 _FLOAT_TYPES = frozenset({V.FLOAT32, V.FLOAT64, V.UINT32, V.INT32})
@@ -228,10 +230,11 @@ class _Cursor:
             )
 
     def scalar(self, fmt: str, what: str) -> Any:
-        n = struct.calcsize(fmt)
-        self.need(n, what)
-        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += n
+        reader = _STRUCTS[fmt]
+        if reader.size > self.size - self.pos:
+            self.need(reader.size, what)
+        (value,) = reader.unpack_from(self.buf, self.pos)
+        self.pos += reader.size
         return value
 
     def u32(self, what: str) -> int:
@@ -240,26 +243,37 @@ class _Cursor:
     def u64(self, what: str) -> int:
         return self.scalar("<Q", what)
 
-    def string(self, what: str) -> str:
-        length = self.u64(f"the length of {what}")
+    def string(self, what: str, index: int | None = None) -> str:
+        """A u64-length-prefixed UTF-8 string; ``index`` names an array element (labels are built only on error)."""
+        pos, left = self.pos, self.size - self.pos
+        length = _U64.unpack_from(self.buf, pos)[0] if left >= 8 else None
+        if length is not None and length <= min(MAX_STRING_BYTES, left - 8):
+            try:
+                value = self.buf[pos + 8:pos + 8 + length].decode("utf-8")
+            except UnicodeDecodeError:
+                pass
+            else:
+                self.pos = pos + 8 + length
+                return value
+        raise self._bad_string(what if index is None else f"element {index} of {what}", length)
+
+    def _bad_string(self, what: str, length: int | None) -> GGUFError:
+        if length is None:
+            return self.fail(GGUFFormatError, f"the file is truncated in the length of {what}; {_FIX}")
         if length > MAX_STRING_BYTES:
-            raise self.fail(
+            return self.fail(
                 GGUFFormatError,
                 f"{what} declares a string of {length} bytes, over the limit of {MAX_STRING_BYTES} (16 MiB); "
                 f"the file is corrupt — {_FIX}",
             )
-        if length > self.size - self.pos:
-            raise self.fail(
+        left = self.size - self.pos - 8
+        if length > left:
+            return self.fail(
                 GGUFFormatError,
-                f"{what} declares a string of {length} bytes at offset {self.pos}, longer than the rest of the file "
-                f"({self.size - self.pos} bytes); the file is truncated or corrupt — {_FIX}",
+                f"{what} declares a string of {length} bytes at offset {self.pos + 8}, longer than the rest of the "
+                f"file ({left} bytes); the file is truncated or corrupt — {_FIX}",
             )
-        raw = self.buf[self.pos:self.pos + length]
-        self.pos += length
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise self.fail(GGUFFormatError, f"{what} is not valid UTF-8; the file is corrupt — {_FIX}") from None
+        return self.fail(GGUFFormatError, f"{what} is not valid UTF-8; the file is corrupt — {_FIX}")
 
 
 def _value_type(cur: _Cursor, raw: int, what: str) -> GGUFValueType:
@@ -308,11 +322,11 @@ def _read_array(cur: _Cursor, what: str, depth: int) -> _Entry:
         cur.pos += count * dtype.itemsize
         if element_type == V.BOOL:
             if np.any(values > 1):
-                raise cur.fail(GGUFFormatError, f"{what} holds BOOL values other than 0 or 1; the file is corrupt — {_FIX}")
+                raise cur.fail(GGUFFormatError, f"{what} holds BOOL values that are not 0 or 1; the file is corrupt — {_FIX}")
             values = values.view(np.bool_)
         return _Entry(V.ARRAY, values, element_type)
     if element_type == V.STRING:
-        return _Entry(V.ARRAY, [cur.string(f"element {i} of {what}") for i in range(count)], element_type)
+        return _Entry(V.ARRAY, [cur.string(what, i) for i in range(count)], element_type)
     nested = [_as_python(_read_array(cur, f"element {i} of {what}", depth + 1)) for i in range(count)]
     return _Entry(V.ARRAY, nested, element_type)
 
@@ -425,14 +439,14 @@ def _read_tensor_info(cur: _Cursor, index: int) -> tuple[str, GGMLQuantizationTy
         if dim == 0 or dim > INT64_MAX:
             raise cur.fail(
                 GGUFTensorError,
-                f"{what} has dimensions {dims}; each must be between 1 and 2^63-1 (an empty tensor holds no "
+                f"{what} has GGUF dims ne={dims}; each must be between 1 and 2^63-1 (an empty tensor holds no "
                 f"weights and no model uses one) — the file is corrupt, {_FIX}",
             )
     n_elements = math.prod(dims)
     if n_elements > INT64_MAX:
         raise cur.fail(
             GGUFTensorError,
-            f"{what} has dimensions {dims} whose element count overflows 64 bits; the file is corrupt — {_FIX}",
+            f"{what} has GGUF dims ne={dims} whose element count overflows 64 bits; the file is corrupt — {_FIX}",
         )
     qtype = _quant_type(cur, cur.u32(f"the type of {what}"), what)
     offset = cur.u64(f"the data offset of {what}")

@@ -132,7 +132,7 @@ class PluginManager:
                                   f"upgrade {dist} or ds4-core so they match")
             self.pm.register(plugin, name=name)
             self.pm.check_pending()
-        except Exception as exc:  # noqa: BLE001 - isolation is the point: report, don't die
+        except Exception as exc:
             if plugin is not None and self.pm.is_registered(plugin):
                 self.pm.unregister(plugin)
             message = f"{type(exc).__name__}: {exc}"
@@ -182,7 +182,7 @@ class PluginManager:
                     impl.function(register)
                 except PluginError:
                     raise
-                except Exception as exc:  # noqa: BLE001 - a broken hook must not stop the others
+                except Exception as exc:
                     message = f"{hook_name} failed: {type(exc).__name__}: {exc}"
                     self._mark_failed(owner, message)
                     if self.strict:
@@ -200,12 +200,14 @@ class PluginManager:
         for impl in self.pm.hook.register_commands.get_hookimpls():
             try:
                 impl.function(cli)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 self._mark_failed(impl.plugin_name, f"register_commands failed: {type(exc).__name__}: {exc}")
                 if self.strict:
                     raise
 
     def errors(self) -> list[PluginInfo]:
+        """Plugins that failed to import or whose hooks raised (collects the registries first)."""
+        self.registry  # noqa: B018 - hook failures are found while collecting
         return [info for info in self.infos if info.error]
 
 

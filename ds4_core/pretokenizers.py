@@ -32,15 +32,16 @@ _QWEN35_PATTERN = (
 # "next char is a digit or CJK") and inside them (classes intersected with CJK). Unmatched characters are the
 # one thing a single pass can glue across a CJK boundary; PreTokenizer.split cuts those gaps apart again.
 _CJK = "一-龥぀-ゟ゠-ヿ"
+_ASCII_PUNCT = r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~]"""
 _DEEPSEEK_SPLITS = (
     r"\p{N}{1,3}",
     f"[{_CJK}]+",
-    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    _ASCII_PUNCT + r"[A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
     r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 )
 _DEEPSEEK_SINGLE_PASS = (
     r"\p{N}{1,3}"
-    r"|[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+"
+    f"|{_ASCII_PUNCT}[A-Za-z]+"
     f"|[^\\r\\n\\p{{L}}\\p{{P}}\\p{{S}}\\p{{N}}{_CJK}]?[[\\p{{L}}\\p{{M}}]--[{_CJK}]]+"
     f"|[[{_CJK}]--[\\p{{L}}\\p{{P}}\\p{{S}}]]?[[\\p{{L}}\\p{{M}}]&&[{_CJK}]]+"
     f"| ?[[\\p{{P}}\\p{{S}}]--[{_CJK}]]+[\\r\\n]*"

@@ -318,3 +318,118 @@ def _str_list(value: object, key: str) -> list[str]:
         elif not isinstance(v, str):
             raise TokenizerError(f"{key}[{i}] is {type(v).__name__}, expected a string")
     return out
+
+
+# ---- Hugging Face tokenizer.json -> GGUF keys -------------------------------------------------------------------
+
+
+def tokenizer_metadata_from_hf(tokenizer_json: Path | str | dict, *, pre: str) -> dict[str, object]:
+    """GGUF ``tokenizer.*`` keys for a Hugging Face byte-level BPE ``tokenizer.json``.
+
+    ``tokenizer_json`` is a parsed tokenizer.json, its path, or a checkpoint directory (then its
+    ``tokenizer_config.json`` supplies BOS/EOS/PAD, add_bos/add_eos and the chat template). ``pre`` names the
+    family; the tokenizer.json's normalizer and pre-tokenizer must be that family's. Returns tokens (index = id,
+    gaps filled with unused ``[PAD<id>]`` entries), merges ("left right"), token types, special ids.
+    """
+    config: dict = {}
+    template: str | None = None
+    if isinstance(tokenizer_json, dict):
+        tj = tokenizer_json
+    else:
+        path = Path(tokenizer_json)
+        if path.is_dir():
+            if (path / "tokenizer_config.json").is_file():
+                config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+            if (path / "chat_template.jinja").is_file():
+                template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+            path = path / "tokenizer.json"
+        try:
+            tj = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise TokenizerError(f"cannot read {path}: {e}") from e
+    family = pre_tokenizer(pre)
+    _check_hf_pipeline(tj, family)
+
+    model = tj["model"]
+    by_id: dict[int, tuple[str, int]] = {i: (t, TOKEN_NORMAL) for t, i in model["vocab"].items()}
+    for added in tj.get("added_tokens", []):
+        kind = TOKEN_CONTROL if added.get("special") else TOKEN_USER_DEFINED
+        by_id[int(added["id"])] = (added["content"], kind)
+    size = max(by_id) + 1
+    tokens = [by_id.get(i, (f"[PAD{i}]", TOKEN_UNUSED)) for i in range(size)]
+    merges = []
+    for m in model.get("merges", []):
+        left, right = m.split(" ") if isinstance(m, str) else m
+        if " " in left or " " in right:
+            raise TokenizerError(f"merge {m!r} has a token containing a space; it cannot be stored in a GGUF")
+        merges.append(f"{left} {right}")
+
+    md: dict[str, object] = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": family.name,
+        "tokenizer.ggml.tokens": [t for t, _ in tokens],
+        "tokenizer.ggml.token_type": [k for _, k in tokens],
+        "tokenizer.ggml.merges": merges,
+    }
+    ids = {t: i for i, (t, _) in reversed(list(enumerate(tokens)))}
+    for field, key in (("bos_token", "bos"), ("eos_token", "eos"), ("pad_token", "padding")):
+        value = config.get(field)
+        content = value.get("content") if isinstance(value, dict) else value
+        if content is None:
+            continue
+        if content not in ids:
+            raise TokenizerError(f"tokenizer_config.json {field} {content!r} is not in the vocabulary")
+        md[f"tokenizer.ggml.{key}_token_id"] = ids[content]
+    for field in ("add_bos_token", "add_eos_token"):
+        if isinstance(config.get(field), bool):
+            md[f"tokenizer.ggml.{field}"] = config[field]
+    template = template if template is not None else config.get("chat_template")
+    if isinstance(template, list):  # named templates: keep the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if isinstance(template, str):
+        md["tokenizer.chat_template"] = template
+    return md
+
+
+def _check_hf_pipeline(tj: dict, family: PreTokenizer) -> None:
+    """Raise TokenizerError unless ``tj`` is byte-level BPE with exactly ``family``'s normalizer and splits."""
+    model = tj.get("model") or {}
+    if model.get("type", "BPE") != "BPE" or "vocab" not in model:
+        raise TokenizerError("tokenizer.json is not a BPE model; only byte-level BPE can be converted")
+    if model.get("byte_fallback") or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
+        raise TokenizerError("tokenizer.json uses byte_fallback/subword affixes; only plain byte-level BPE is supported")
+    if model.get("ignore_merges"):
+        raise TokenizerError("tokenizer.json sets ignore_merges, which GGUF cannot record; it is not supported")
+
+    norm = tj.get("normalizer")
+    steps = norm.get("normalizers", []) if norm and norm.get("type") == "Sequence" else [norm] if norm else []
+    nfc = [s.get("type") for s in steps] == ["NFC"]
+    if (steps and not nfc) or nfc != family.nfc:
+        raise TokenizerError(
+            f"tokenizer.json normalizer {norm!r} does not match pre-tokenizer {family.name!r} "
+            f"(expects {'NFC' if family.nfc else 'none'}); pick the right pre name"
+        )
+
+    pt = tj.get("pre_tokenizer") or {}
+    steps = pt.get("pretokenizers", []) if pt.get("type") == "Sequence" else [pt]
+    splits = [s for s in steps if s.get("type") == "Split"]
+    byte_level = [s for s in steps if s.get("type") == "ByteLevel"]
+    patterns = tuple(_spell_escapes((s.get("pattern") or {}).get("Regex") or "") for s in splits)
+    ok = (
+        len(splits) + len(byte_level) == len(steps)
+        and len(byte_level) == 1 and steps[-1] is byte_level[0]
+        and byte_level[0].get("use_regex") is False
+        and not byte_level[0].get("add_prefix_space", False)
+        and all(s.get("behavior") == "Isolated" and not s.get("invert") for s in splits)
+        and patterns == tuple(map(_spell_escapes, family.hf_split_patterns))
+    )
+    if not ok:
+        raise TokenizerError(
+            f"tokenizer.json pre-tokenizer does not match {family.name!r} (expected Split regexes "
+            f"{family.hf_split_patterns} then ByteLevel without regex); pick the right pre name"
+        )
+
+
+def _spell_escapes(pattern: str) -> str:
+    """Write literal CR/LF as regex escapes: tokenizer.json files spell the same pattern both ways."""
+    return pattern.replace("\r", "\\r").replace("\n", "\\n")

@@ -225,9 +225,11 @@ TINY_TENSORS: dict[str, np.ndarray | RawTensor] = {
 
 def tiny_kvs(arch: str = TINY_ARCH, metadata: Mapping[str, Any] = TINY_METADATA) -> list[bytes]:
     """The packed metadata of the tiny model, ``general.architecture`` first as ``GGUFWriter`` writes it."""
-    return [pack_kv(key, vtype, raw, element_type)
-            for key, (raw, vtype, element_type) in
-            ((key, metadata_type(value)) for key, value in {"general.architecture": arch, **metadata}.items())]
+    kvs = []
+    for key, value in {"general.architecture": arch, **metadata}.items():
+        raw, vtype, element_type = metadata_type(value)
+        kvs.append(pack_kv(key, vtype, raw, element_type))
+    return kvs
 
 
 def tiny_gguf_bytes() -> bytes:
@@ -256,7 +258,7 @@ def _with_tensor(name: str | bytes = "x", shape: Sequence[int] = (32,), qtype: i
 def _nested_array(levels: int) -> bytes:
     """A KV holding ``levels`` arrays nested one inside the other, the innermost holding one byte."""
     nest = struct.pack("<IQ", V.ARRAY, 1) * (levels - 1) + struct.pack("<IQB", V.UINT8, 1, 7)
-    return pack_string("test.nested") + struct.pack("<I", V.ARRAY) + nest
+    return pack_string("test.deep") + struct.pack("<I", V.ARRAY) + nest
 
 
 # ------------------------------------------------------------------------------------------------ the corpus

@@ -4,8 +4,9 @@ import json
 import random
 
 import pytest
-from ds4_core.chat import ContentDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
 from ds4_model_deepseek4.dsml import ToolCallStreamParser, parse_tool_calls, render_tool_calls
+
+from ds4_core.chat import ContentDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
 
 D = "｜DSML｜"
 WEATHER = {
@@ -133,10 +134,10 @@ def test_malformed_block_is_returned_verbatim_as_content():
     for text in (
         "Hi\n\n" + block(f"<{D}bogus>\n"),
         "Hi\n\n" + block(f"<{D}invoke>\n</{D}invoke>\n"),  # no name
-        "Hi\n\n" + block(invoke("f", f"<{D}parameter string=\"true\">v</{D}parameter>\n")),  # no name
-        f"Hi <{D}tool_calls><{D}invoke name=\"f\"><{D}parameter name=\"a\">unterminated",
-        f"Hi <{D}tool_calls><{D}invoke name=\"f\"",
-        "Hi <DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\n",  # styles do not mix
+        "Hi\n\n" + block(invoke("f", f'<{D}parameter string="true">v</{D}parameter>\n')),  # no name
+        f'Hi <{D}tool_calls><{D}invoke name="f"><{D}parameter name="a">unterminated',
+        f'Hi <{D}tool_calls><{D}invoke name="f"',
+        'Hi <DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n',  # styles do not mix
     ):
         assert parse_tool_calls(text) == (text, []), text
 
@@ -146,7 +147,7 @@ def test_calls_completed_before_a_malformed_invoke_are_kept():
     bad = f'<{D}invoke name="second">\n<{D}oops>'
     visible, calls = parse_tool_calls("Hi\n\n" + f"<{D}tool_calls>\n" + good + bad)
     assert calls == [{"name": "first", "arguments": {"a": 1}}]
-    assert visible == "Hi" + bad
+    assert visible == "Hi\n" + bad  # the newline after the good invoke starts the unparsed rest
 
 
 def test_reply_ending_after_a_complete_invoke_keeps_the_call():
@@ -155,7 +156,7 @@ def test_reply_ending_after_a_complete_invoke_keeps_the_call():
 
 
 def test_truncated_call_streams_a_start_without_end_and_its_text_as_content():
-    text = f"Hi\n\n<{D}tool_calls>\n<{D}invoke name=\"write\">\n<{D}parameter name=\"body\" string=\"true\">partial"
+    text = f'Hi\n\n<{D}tool_calls>\n<{D}invoke name="write">\n<{D}parameter name="body" string="true">partial'
     events = stream(text)
     assert [e.name for e in events if isinstance(e, ToolCallStart)] == ["write"]
     assert not [e for e in events if isinstance(e, ToolCallEnd)]
@@ -204,11 +205,13 @@ def test_streaming_at_every_split_point_matches_one_shot():
 def test_streaming_in_random_pieces_matches_one_shot_and_deltas_build_the_arguments():
     reference = summary(stream(SAMPLE, [len(SAMPLE)]))
     rng = random.Random(4)
-    for _ in range(200):
+    for _ in range(100):
         content, ended, deltas = summary(stream(SAMPLE, [rng.randint(1, 12) for _ in range(len(SAMPLE))]))
         assert (content, ended) == reference[:2]
         assert deltas == {index: arguments for index, _, arguments in ended}
-        assert [json.loads(arguments) for _, _, arguments in ended] == [c["arguments"] for c in parse_tool_calls(SAMPLE)[1]]
+        assert [json.loads(arguments) for _, _, arguments in ended] == [
+            c["arguments"] for c in parse_tool_calls(SAMPLE)[1]
+        ]
 
 
 def test_content_that_may_start_a_tag_is_held_until_disambiguated():
@@ -220,7 +223,9 @@ def test_content_that_may_start_a_tag_is_held_until_disambiguated():
 
 def test_string_values_stream_before_the_parameter_closes():
     parser = ToolCallStreamParser()
-    events = parser.feed(f'<{D}tool_calls>\n<{D}invoke name="w">\n<{D}parameter name="body" string="true">line one\n&am')
+    events = parser.feed(
+        f'<{D}tool_calls>\n<{D}invoke name="w">\n<{D}parameter name="body" string="true">line one\n&am'
+    )
     assert isinstance(events[0], ToolCallStart) and events[0].index == 0 and events[0].id.startswith("call_0_")
     assert "".join(e.text for e in events[1:]) == '{"body": "line one\\n'
     assert parser.feed("p;") == [ToolCallArgsDelta(0, "&")]

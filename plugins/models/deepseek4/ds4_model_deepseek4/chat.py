@@ -60,9 +60,7 @@ When thinking is off, write tool calls or the final answer right after </think>.
 ### Available Tool Schemas
 
 """
-_TOOLS_OUTRO = (
-    "\n\nCall only the tools defined above, with exactly the parameter names and types their schemas give."
-)
+_TOOLS_OUTRO = "\n\nCall only the tools defined above, with exactly the parameter names and types their schemas give."
 
 _THINKING_MODES = ("none", "high", "max")
 _SYSTEM_ROLES = ("system", "developer")
@@ -118,7 +116,9 @@ def _tool_calls(message: Mapping[str, Any], where: str) -> list[dict[str, Any]]:
     for position, call in enumerate(message.get("tool_calls") or ()):
         function = call.get("function") if isinstance(call, Mapping) else None
         if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
-            raise TemplateError(f'{where}: tool call {position} needs {{"function": {{"name": ..., "arguments": ...}}}}')
+            raise TemplateError(
+                f'{where}: tool call {position} needs {{"function": {{"name": ..., "arguments": ...}}}}'
+            )
         arguments = function.get("arguments")
         if isinstance(arguments, str):
             try:
@@ -173,7 +173,9 @@ class DeepSeekV4Chat:
         )
 
         system = [_tools_prompt(schemas)] if schemas else []
-        system += [_text(m.get("content"), f"message {i}") for i, m in enumerate(messages) if m["role"] in _SYSTEM_ROLES]
+        system += [
+            _text(m.get("content"), f"message {i}") for i, m in enumerate(messages) if m["role"] in _SYSTEM_ROLES
+        ]
         parts = [BOS, THINK_MAX_PREFIX if thinking == "max" else "", "\n\n".join(system)]
 
         in_tool_results = False

@@ -121,7 +121,8 @@ def _held_suffix(text: str, candidates: Sequence[str]) -> int:
 def _entity_safe_length(text: str) -> int:
     """Length of the prefix of ``text`` that cannot end inside a still-growing entity."""
     amp = text.rfind("&", max(0, len(text) - 5))
-    if amp >= 0 and any(entity.startswith(text[amp:]) for entity in _ENTITIES):
+    tail = text[amp:]
+    if amp >= 0 and any(entity.startswith(tail) and entity != tail for entity in _ENTITIES):
         return amp
     return len(text)
 
@@ -148,10 +149,11 @@ _NEED_MORE = object()
 class ToolCallStreamParser:
     """Splits visible reply text into content and DSML tool calls, fed in pieces of any size.
 
-    Events: ``ContentDelta`` for visible text (text that might begin a tag, and trailing whitespace, is
-    held until resolved; whitespace before a block or between a block and the reply's end is dropped), ``ToolCallStart`` when an invoke's name is
-    known, ``ToolCallArgsDelta`` as its arguments stream (string values streamed as they arrive), and
-    ``ToolCallEnd`` at ``</invoke>`` with the full JSON text. Call ids are ``call_<index>_<16 hex>``.
+    Events: ``ContentDelta`` for visible text (text that might begin a tag, and trailing whitespace,
+    is held until resolved; whitespace before a block or between a block and the reply's end is
+    dropped), ``ToolCallStart`` when an invoke's name is known, ``ToolCallArgsDelta`` as its
+    arguments stream (string values as they arrive), and ``ToolCallEnd`` at ``</invoke>`` with the
+    full JSON text. Call ids are ``call_<index>_<16 random hex>``.
 
     Malformed or truncated DSML: calls already ended stay; the raw text from the start of the block
     (or of the first unfinished invoke) is emitted as content and the rest of the reply is plain
@@ -268,7 +270,7 @@ class ToolCallStreamParser:
     # ---- states; each returns whether it made progress
 
     def _content(self, final: bool) -> bool:
-        found = [(self._buffer.find(opener), style) for opener, style in zip(_OPENERS, TAG_STYLES)]
+        found = [(self._buffer.find(opener), style) for opener, style in zip(_OPENERS, TAG_STYLES, strict=True)]
         found = [(position, style) for position, style in found if position >= 0]
         if found:
             position, style = min(found)

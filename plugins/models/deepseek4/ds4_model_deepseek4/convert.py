@@ -1,0 +1,752 @@
+"""Convert a Hugging Face DeepSeek V4 checkpoint to a ds4-schema GGUF (spec §11, §12).
+
+Two source layouts are accepted:
+
+* what transformers' ``save_pretrained`` writes for ``DeepseekV4ForCausalLM``: ``model.``-prefixed names,
+  stacked routed experts ``gate_up_proj [E, 2I, D]`` / ``down_proj [E, D, I]``;
+* the official DeepSeek layout: names of spec §11, per-expert ``ffn.experts.E.w{1,2,3}``, FP8 E4M3 weights with
+  128x128 E8M0 block scales and packed FP4 experts with 1x32 E8M0 scales (both dequantized here).
+
+Tensors are streamed one chunk of rows at a time from memory-mapped safetensors, so memory stays bounded by the
+largest chunk, and the output is written atomically (temporary file, fsync, rename).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import attrs
+import numpy as np
+from gguf import GGUFValueType, GGUFWriter
+from gguf.constants import GGMLQuantizationType
+
+from ds4_core.errors import ConversionError, TokenizerError
+from ds4_core.quants import quantize, tensor_nbytes
+from ds4_core.tokenizer import TOKEN_UNUSED, tokenizer_metadata_from_hf
+
+ARCHITECTURE = "deepseek4"
+OUTTYPES = ("f32", "f16", "bf16", "q8_0")
+
+Progress = Callable[[int, int], None]
+T = GGMLQuantizationType
+
+# Elements per streamed chunk of a 2-D tensor (rows are kept in multiples of the 128-row FP8 scale block).
+_CHUNK_ELEMENTS = 1 << 22
+
+
+# ---------------------------------------------------------------- hyperparameters (config.json -> §12.2 keys)
+
+_LAYER_KINDS = {"sliding_attention": "sliding", "compressed_sparse_attention": "csa",
+                "heavily_compressed_attention": "hca"}
+_LEGACY_RATIO_KINDS = {0: "sliding", 4: "csa", 128: "hca"}
+
+
+def _field(config: Mapping[str, Any], key: str) -> Any:
+    if config.get(key) is None:
+        raise ConversionError(f"config.json has no {key!r}; it is required to convert a DeepSeek V4 checkpoint "
+                              "(add it from the model card or the original config.json)")
+    return config[key]
+
+
+def _layer_schedule(config: Mapping[str, Any], n_layers: int) -> tuple[list[str], list[int]]:
+    """(kind per layer in sliding/csa/hca, compression ratio per layer) from either config flavour."""
+    if config.get("layer_types") is not None:
+        rates = {"csa": 4, "hca": 128, "sliding": 0}
+        for name, rate in (config.get("compress_rates") or {}).items():
+            rates[_LAYER_KINDS.get(name, name)] = int(rate)
+        kinds = []
+        for name in config["layer_types"][:n_layers]:
+            if name not in _LAYER_KINDS:
+                raise ConversionError(f"config.json layer_types holds {name!r}; DeepSeek V4 layers are one of "
+                                      f"{', '.join(_LAYER_KINDS)}")
+            kinds.append(_LAYER_KINDS[name])
+    elif config.get("compress_ratios") is not None:
+        ratios = [int(r) for r in config["compress_ratios"][:n_layers]]
+        bad = sorted({r for r in ratios if r not in _LEGACY_RATIO_KINDS})
+        if bad:
+            raise ConversionError(f"config.json compress_ratios holds {bad}; only 0, 4 and 128 are defined")
+        kinds = [_LEGACY_RATIO_KINDS[r] for r in ratios]
+        rates = {"sliding": 0, "csa": int(config.get("compress_rate_csa") or 4),
+                 "hca": int(config.get("compress_rate_hca") or 128)}
+    else:
+        raise ConversionError("config.json has neither layer_types nor compress_ratios; one of them is required "
+                              "to know which layers compress their KV cache")
+    if len(kinds) != n_layers:
+        raise ConversionError(f"config.json describes {len(kinds)} layer types for {n_layers} layers")
+    return kinds, [rates[kind] for kind in kinds]
+
+
+def _hash_layer_count(config: Mapping[str, Any], n_layers: int) -> int:
+    if config.get("mlp_layer_types") is not None:
+        types = list(config["mlp_layer_types"][:n_layers])
+        count = types.count("hash_moe")
+        if types != ["hash_moe"] * count + ["moe"] * (n_layers - count):
+            raise ConversionError(f"config.json mlp_layer_types must be hash_moe layers followed by moe layers; "
+                                  f"got {types}")
+        return count
+    return min(int(_field(config, "num_hash_layers")), n_layers)
+
+
+def _rope_dimension(config: Mapping[str, Any], head_dim: int) -> int:
+    if config.get("qk_rope_head_dim") is not None:
+        return int(config["qk_rope_head_dim"])
+    factor = config.get("partial_rotary_factor")
+    if factor is None:
+        factor = ((config.get("rope_parameters") or {}).get("main") or {}).get("partial_rotary_factor")
+    if factor is None:
+        raise ConversionError("config.json has neither qk_rope_head_dim nor partial_rotary_factor; one is required")
+    return int(head_dim * float(factor))
+
+
+def _yarn(config: Mapping[str, Any]) -> dict[str, float]:
+    """YaRN parameters of the compressed layers; factor 1 (a no-op) when the checkpoint uses plain RoPE there."""
+    scaling = config.get("rope_scaling") or ((config.get("rope_parameters") or {}).get("compress")) or {}
+    if (scaling.get("rope_type") or scaling.get("type")) != "yarn":
+        return {"factor": 1.0, "original": int(_field(config, "max_position_embeddings")),
+                "beta_fast": 32.0, "beta_slow": 1.0}
+    return {"factor": float(_field(scaling, "factor")),
+            "original": int(_field(scaling, "original_max_position_embeddings")),
+            "beta_fast": float(scaling.get("beta_fast", 32.0)), "beta_slow": float(scaling.get("beta_slow", 1.0))}
+
+
+@attrs.frozen
+class HParams:
+    """The hyperparameters a DeepSeek V4 GGUF records, normalised from either config.json flavour."""
+
+    n_layers: int
+    hidden: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rope_dim: int
+    q_lora: int
+    o_lora: int
+    o_groups: int
+    experts: int
+    experts_used: int
+    expert_ffn: int
+    shared_experts: int
+    hash_layers: int
+    window: int
+    indexer_heads: int
+    indexer_dim: int
+    indexer_top_k: int
+    hc: int
+    hc_iters: int
+    hc_eps: float
+    layer_kinds: tuple[str, ...]
+    ratios: tuple[int, ...]
+    swiglu_limit: float
+    rope_theta: float
+    compress_rope_theta: float
+    yarn_factor: float
+    yarn_original: int
+    yarn_beta_fast: float
+    yarn_beta_slow: float
+    routed_scale: float
+    norm_topk: bool
+    rms_eps: float
+    context_length: int
+
+
+def hparams_from_config(config: Mapping[str, Any]) -> HParams:
+    """Normalise a DeepSeek V4 ``config.json`` (transformers or official flavour) into :class:`HParams`."""
+    model_type = config.get("model_type")
+    if model_type not in (None, "deepseek_v4"):
+        raise ConversionError(f"config.json declares model_type {model_type!r}; this converter handles deepseek_v4")
+    n_layers = int(_field(config, "num_hidden_layers"))
+    head_dim = int(_field(config, "head_dim"))
+    kinds, ratios = _layer_schedule(config, n_layers)
+    yarn = _yarn(config)
+    return HParams(
+        n_layers=n_layers, hidden=int(_field(config, "hidden_size")), vocab=int(_field(config, "vocab_size")),
+        heads=int(_field(config, "num_attention_heads")), kv_heads=int(config.get("num_key_value_heads") or 1),
+        head_dim=head_dim, rope_dim=_rope_dimension(config, head_dim), q_lora=int(_field(config, "q_lora_rank")),
+        o_lora=int(_field(config, "o_lora_rank")), o_groups=int(_field(config, "o_groups")),
+        experts=int(_field(config, "n_routed_experts")), experts_used=int(_field(config, "num_experts_per_tok")),
+        expert_ffn=int(_field(config, "moe_intermediate_size")),
+        shared_experts=int(config.get("n_shared_experts") or 1), hash_layers=_hash_layer_count(config, n_layers),
+        window=int(_field(config, "sliding_window")), indexer_heads=int(_field(config, "index_n_heads")),
+        indexer_dim=int(_field(config, "index_head_dim")), indexer_top_k=int(_field(config, "index_topk")),
+        hc=int(_field(config, "hc_mult")), hc_iters=int(_field(config, "hc_sinkhorn_iters")),
+        hc_eps=float(_field(config, "hc_eps")), layer_kinds=tuple(kinds), ratios=tuple(ratios),
+        swiglu_limit=float(_field(config, "swiglu_limit")), rope_theta=float(_field(config, "rope_theta")),
+        compress_rope_theta=float(_field(config, "compress_rope_theta")), yarn_factor=yarn["factor"],
+        yarn_original=yarn["original"], yarn_beta_fast=yarn["beta_fast"], yarn_beta_slow=yarn["beta_slow"],
+        routed_scale=float(_field(config, "routed_scaling_factor")),
+        norm_topk=bool(config.get("norm_topk_prob", True)), rms_eps=float(_field(config, "rms_norm_eps")),
+        context_length=int(_field(config, "max_position_embeddings")),
+    )
+
+
+U32, F32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
+
+
+def gguf_metadata(hp: HParams) -> list[tuple[str, Any, GGUFValueType, GGUFValueType | None]]:
+    """The ``deepseek4.*`` metadata of spec §12.2 as (key, value, value type, array element type) rows."""
+    a = ARCHITECTURE
+    scalars: list[tuple[str, Any, GGUFValueType]] = [
+        (f"{a}.context_length", hp.context_length, GGUFValueType.UINT64),
+        (f"{a}.block_count", hp.n_layers, U32),
+        (f"{a}.embedding_length", hp.hidden, U32),
+        (f"{a}.vocab_size", hp.vocab, U32),
+        (f"{a}.attention.head_count", hp.heads, U32),
+        (f"{a}.attention.head_count_kv", hp.kv_heads, U32),
+        (f"{a}.attention.key_length", hp.head_dim, U32),
+        (f"{a}.attention.value_length", hp.head_dim, U32),
+        (f"{a}.rope.dimension_count", hp.rope_dim, U32),
+        (f"{a}.attention.q_lora_rank", hp.q_lora, U32),
+        (f"{a}.attention.output_lora_rank", hp.o_lora, U32),
+        (f"{a}.attention.output_group_count", hp.o_groups, U32),
+        (f"{a}.expert_count", hp.experts, U32),
+        (f"{a}.expert_used_count", hp.experts_used, U32),
+        (f"{a}.expert_feed_forward_length", hp.expert_ffn, U32),
+        (f"{a}.expert_shared_count", hp.shared_experts, U32),
+        (f"{a}.hash_layer_count", hp.hash_layers, U32),
+        (f"{a}.attention.sliding_window", hp.window, U32),
+        (f"{a}.attention.indexer.head_count", hp.indexer_heads, U32),
+        (f"{a}.attention.indexer.key_length", hp.indexer_dim, U32),
+        (f"{a}.attention.indexer.top_k", hp.indexer_top_k, U32),
+        (f"{a}.hyper_connection.count", hp.hc, U32),
+        (f"{a}.hyper_connection.sinkhorn_iterations", hp.hc_iters, U32),
+        (f"{a}.hyper_connection.epsilon", hp.hc_eps, F32),
+        (f"{a}.rope.freq_base", hp.rope_theta, F32),
+        (f"{a}.attention.compress_rope_freq_base", hp.compress_rope_theta, F32),
+        (f"{a}.rope.scaling.factor", hp.yarn_factor, F32),
+        (f"{a}.rope.scaling.original_context_length", hp.yarn_original, U32),
+        (f"{a}.rope.scaling.yarn_beta_fast", hp.yarn_beta_fast, F32),
+        (f"{a}.rope.scaling.yarn_beta_slow", hp.yarn_beta_slow, F32),
+        (f"{a}.expert_weights_scale", hp.routed_scale, F32),
+        (f"{a}.expert_weights_norm", hp.norm_topk, GGUFValueType.BOOL),
+        (f"{a}.attention.layer_norm_rms_epsilon", hp.rms_eps, F32),
+    ]
+    rows: list[tuple[str, Any, GGUFValueType, GGUFValueType | None]] = [(k, v, t, None) for k, v, t in scalars]
+    rows.append((f"{a}.attention.compress_ratios", list(hp.ratios), GGUFValueType.ARRAY, U32))
+    rows.append((f"{a}.swiglu_clamp_exp", [hp.swiglu_limit] * hp.n_layers, GGUFValueType.ARRAY, F32))
+    return rows
+
+
+# ---------------------------------------------------------------- tensor names and types (§11, §12.3)
+
+# Type classes: "matrix" -> Q8_0 under q8_0 (F16 when the row length is not a multiple of 32), "half" -> F16 under
+# q8_0, both -> the outtype otherwise; "f32" always F32; "i32" always I32.
+# (GGUF name, transformers name, official name, type class); layer tables hold names inside "[model.]layers.N.".
+_GLOBAL_TENSORS = (
+    ("token_embd.weight", "model.embed_tokens.weight", "embed.weight", "half"),
+    ("output.weight", "lm_head.weight", "head.weight", "matrix"),
+    ("output_norm.weight", "model.norm.weight", "norm.weight", "f32"),
+    ("output_hc_fn.weight", "model.hc_head.hc_fn", "hc_head_fn", "half"),
+    ("output_hc_base.weight", "model.hc_head.hc_base", "hc_head_base", "f32"),
+    ("output_hc_scale.weight", "model.hc_head.hc_scale", "hc_head_scale", "f32"),
+)
+_LAYER_TENSORS = (
+    ("hc_attn_fn.weight", "attn_hc.fn", "hc_attn_fn", "half"),
+    ("hc_attn_scale.weight", "attn_hc.scale", "hc_attn_scale", "f32"),
+    ("hc_attn_base.weight", "attn_hc.base", "hc_attn_base", "f32"),
+    ("hc_ffn_fn.weight", "ffn_hc.fn", "hc_ffn_fn", "half"),
+    ("hc_ffn_scale.weight", "ffn_hc.scale", "hc_ffn_scale", "f32"),
+    ("hc_ffn_base.weight", "ffn_hc.base", "hc_ffn_base", "f32"),
+    ("attn_norm.weight", "input_layernorm.weight", "attn_norm.weight", "f32"),
+    ("ffn_norm.weight", "post_attention_layernorm.weight", "ffn_norm.weight", "f32"),
+    ("attn_q_a.weight", "self_attn.q_a_proj.weight", "attn.wq_a.weight", "matrix"),
+    ("attn_q_a_norm.weight", "self_attn.q_a_norm.weight", "attn.q_norm.weight", "f32"),
+    ("attn_q_b.weight", "self_attn.q_b_proj.weight", "attn.wq_b.weight", "matrix"),
+    ("attn_kv.weight", "self_attn.kv_proj.weight", "attn.wkv.weight", "matrix"),
+    ("attn_kv_a_norm.weight", "self_attn.kv_norm.weight", "attn.kv_norm.weight", "f32"),
+    ("attn_sinks.weight", "self_attn.sinks", "attn.attn_sink", "f32"),
+    ("attn_output_a.weight", "self_attn.o_a_proj.weight", "attn.wo_a.weight", "matrix"),
+    ("attn_output_b.weight", "self_attn.o_b_proj.weight", "attn.wo_b.weight", "matrix"),
+    ("ffn_gate_inp.weight", "mlp.gate.weight", "ffn.gate.weight", "half"),
+    ("ffn_gate_shexp.weight", "mlp.shared_experts.gate_proj.weight", "ffn.shared_experts.w1.weight", "matrix"),
+    ("ffn_up_shexp.weight", "mlp.shared_experts.up_proj.weight", "ffn.shared_experts.w3.weight", "matrix"),
+    ("ffn_down_shexp.weight", "mlp.shared_experts.down_proj.weight", "ffn.shared_experts.w2.weight", "matrix"),
+)
+_COMPRESSOR_TENSORS = (
+    ("attn_compressor_ape.weight", "self_attn.compressor.position_bias", "attn.compressor.ape", "half"),
+    ("attn_compressor_kv.weight", "self_attn.compressor.kv_proj.weight", "attn.compressor.wkv.weight", "half"),
+    ("attn_compressor_gate.weight", "self_attn.compressor.gate_proj.weight", "attn.compressor.wgate.weight", "half"),
+    ("attn_compressor_norm.weight", "self_attn.compressor.kv_norm.weight", "attn.compressor.norm.weight", "f32"),
+)
+_INDEXER = "self_attn.compressor.indexer."
+_INDEXER_TENSORS = (
+    ("indexer.attn_q_b.weight", _INDEXER + "q_b_proj.weight", "attn.indexer.wq_b.weight", "half"),
+    ("indexer.proj.weight", _INDEXER + "scorer.weights_proj.weight", "attn.indexer.weights_proj.weight", "half"),
+    ("indexer_compressor_ape.weight", _INDEXER + "position_bias", "attn.indexer.compressor.ape", "half"),
+    ("indexer_compressor_kv.weight", _INDEXER + "kv_proj.weight", "attn.indexer.compressor.wkv.weight", "half"),
+    ("indexer_compressor_gate.weight", _INDEXER + "gate_proj.weight", "attn.indexer.compressor.wgate.weight",
+     "half"),
+    ("indexer_compressor_norm.weight", _INDEXER + "kv_norm.weight", "attn.indexer.compressor.norm.weight", "f32"),
+)
+_HASH_TENSORS = (("ffn_gate_tid2eid.weight", "mlp.gate.tid2eid", "ffn.gate.tid2eid", "i32"),)
+_BIAS_TENSORS = (("exp_probs_b.bias", "mlp.gate.e_score_correction_bias", "ffn.gate.bias", "f32"),)
+# Routed experts: (GGUF name, official per-expert name, slice of the transformers stacked tensor).
+_EXPERT_TENSORS = (("ffn_gate_exps.weight", "w1", "gate"), ("ffn_up_exps.weight", "w3", "up"),
+                   ("ffn_down_exps.weight", "w2", "down"))
+
+
+def _tensor_type(type_class: str, outtype: str, row_length: int) -> GGMLQuantizationType:
+    if type_class == "i32":
+        return T.I32
+    if type_class == "f32":
+        return T.F32
+    if outtype != "q8_0":
+        return T[outtype.upper()]
+    if type_class == "matrix" and row_length % 32 == 0:
+        return T.Q8_0
+    return T.F16
+
+
+# ---------------------------------------------------------------- sources
+
+
+class TensorSource(Protocol):
+    """Named float tensors in transformers or official naming, read as leading-axis slices."""
+
+    def names(self) -> set[str]:
+        """Every tensor name the source holds (quantization companions such as ``.scale`` excluded)."""
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Logical (dequantized) shape of ``name``."""
+
+    def rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """``name[start:stop]`` dequantized: float32, or int64 for integer tensors."""
+
+
+@attrs.frozen
+class ArraySource:
+    """A :class:`TensorSource` over in-memory arrays (used to build random-weight models without torch)."""
+
+    arrays: Mapping[str, np.ndarray]
+
+    def names(self) -> set[str]:
+        return set(self.arrays)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.arrays[name].shape)
+
+    def rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        return np.asarray(self.arrays[name][start:stop])
+
+
+def _e4m3_table() -> np.ndarray:
+    """float32 value of every FP8 E4M3 (fn) byte: bias 7, subnormals at exponent 0, 0x7F/0xFF NaN."""
+    code = np.arange(256)
+    exponent, mantissa = (code >> 3) & 0xF, code & 7
+    magnitude = np.where(exponent == 0, mantissa / 8.0 * 2.0**-6, (1 + mantissa / 8.0) * 2.0 ** (exponent - 7.0))
+    magnitude = np.where((code & 0x7F) == 0x7F, np.nan, magnitude)
+    return np.where(code & 0x80, -magnitude, magnitude).astype(np.float32)
+
+
+_E4M3 = _e4m3_table()
+# E8M0 byte e -> 2**(e - 127); 255 is NaN.
+_E8M0 = np.append(np.exp2(np.arange(255) - 127.0), np.nan).astype(np.float32)
+_FP4 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
+_PLAIN_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2",
+                 "I8": "i1", "U8": "u1", "BOOL": "u1", "BF16": "<u2", "F8_E4M3": "u1", "F8_E8M0": "u1"}
+_FP8_BLOCK = 128
+_FP4_BLOCK = 32
+
+
+@attrs.frozen
+class _Stored:
+    path: Path
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def _read_safetensors_header(path: Path) -> dict[str, _Stored]:
+    """Tensor directory of one safetensors file (parsed here: safetensors' numpy API cannot decode BF16/FP8)."""
+    try:
+        with path.open("rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if not 2 <= length <= 100 << 20:
+                raise ValueError(f"header length {length}")
+            header = json.loads(f.read(length))
+    except (OSError, ValueError) as exc:
+        raise ConversionError(f"{path} is not a readable safetensors file ({exc}); re-download it") from None
+    base = 8 + length
+    stored = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if entry["dtype"] not in _PLAIN_DTYPES:
+            raise ConversionError(f"{path}: tensor {name!r} has dtype {entry['dtype']}, which this converter cannot "
+                                  f"read; supported: {', '.join(_PLAIN_DTYPES)}")
+        begin, end = entry["data_offsets"]
+        stored[name] = _Stored(path, entry["dtype"], tuple(entry["shape"]), base + begin, base + end)
+    return stored
+
+
+def _decode(raw: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "BF16":
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    if dtype == "F8_E4M3":
+        return _E4M3[raw]
+    if dtype == "F8_E8M0":
+        return _E8M0[raw]
+    if dtype.startswith("I"):
+        return raw.astype(np.int64)
+    return raw.astype(np.float32)
+
+
+class SafetensorsSource:
+    """Every ``*.safetensors`` file of a directory, memory-mapped; FP8 and packed FP4 weights are dequantized.
+
+    A weight ``X.weight`` with a companion ``X.scale`` is block-quantized: FP8 E4M3 with 128x128 scale blocks, or
+    (dtype I8/U8) two FP4 E2M1 codes per byte, element 2j in the low nibble, with 1x32 scale blocks.
+    """
+
+    def __init__(self, directory: Path):
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise ConversionError(f"{directory} holds no *.safetensors files; point the converter at the model "
+                                  "directory downloaded from Hugging Face")
+        self._stored: dict[str, _Stored] = {}
+        for path in files:
+            for name, entry in _read_safetensors_header(path).items():
+                if name in self._stored:
+                    raise ConversionError(f"tensor {name!r} appears in both {self._stored[name].path.name} and "
+                                          f"{path.name}; remove the stray shard")
+                self._stored[name] = entry
+        self._maps: dict[Path, np.memmap] = {}
+
+    def names(self) -> set[str]:
+        return {n for n in self._stored if not (n.endswith(".scale") and n[:-6] + ".weight" in self._stored)}
+
+    def _scale_of(self, name: str) -> _Stored | None:
+        return self._stored.get(name[: -len(".weight")] + ".scale") if name.endswith(".weight") else None
+
+    def _is_fp4(self, name: str) -> bool:
+        return self._stored[name].dtype in ("I8", "U8") and self._scale_of(name) is not None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        shape = self._stored[name].shape
+        return (*shape[:-1], shape[-1] * 2) if self._is_fp4(name) else shape
+
+    def _raw(self, entry: _Stored, start: int, stop: int) -> np.ndarray:
+        if entry.path not in self._maps:
+            self._maps[entry.path] = np.memmap(entry.path, dtype=np.uint8, mode="r")
+        data = self._maps[entry.path][entry.begin:entry.end].view(_PLAIN_DTYPES[entry.dtype])
+        return data.reshape(entry.shape or (1,))[start:stop]
+
+    def rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        entry = self._stored[name]
+        values = _decode(self._raw(entry, start, stop), entry.dtype)
+        scale = self._scale_of(name)
+        if scale is None:
+            return values
+        if self._is_fp4(name):
+            return self._dequantize_fp4(name, entry, scale, start, stop)
+        if entry.dtype != "F8_E4M3" or len(entry.shape) != 2:
+            raise ConversionError(f"tensor {name!r} has a .scale companion but dtype {entry.dtype} and shape "
+                                  f"{entry.shape}; only 2-D FP8 E4M3 and packed FP4 weights are block-scaled")
+        rows_, cols = entry.shape
+        expected = (-(-rows_ // _FP8_BLOCK), -(-cols // _FP8_BLOCK))
+        if scale.shape != expected:
+            raise ConversionError(f"scale of {name!r} has shape {scale.shape}; 128x128 blocks of {entry.shape} "
+                                  f"need {expected}")
+        if start % _FP8_BLOCK:
+            raise ValueError("FP8 weights are read in whole 128-row blocks")
+        blocks = _decode(self._raw(scale, start // _FP8_BLOCK, -(-stop // _FP8_BLOCK)), scale.dtype)
+        expanded = np.repeat(np.repeat(blocks, _FP8_BLOCK, axis=0), _FP8_BLOCK, axis=1)
+        return values * expanded[: values.shape[0], :cols]
+
+    def _dequantize_fp4(self, name: str, entry: _Stored, scale: _Stored, start: int, stop: int) -> np.ndarray:
+        packed = self._raw(entry, start, stop).view(np.uint8)
+        codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+        expected = (*entry.shape[:-1], entry.shape[-1] * 2 // _FP4_BLOCK)
+        if scale.shape != expected:
+            raise ConversionError(f"scale of packed FP4 {name!r} has shape {scale.shape}; 32-element blocks of "
+                                  f"{self.shape(name)} need {expected}")
+        scales = _decode(self._raw(scale, start, stop), scale.dtype)
+        return _FP4[codes] * np.repeat(scales, _FP4_BLOCK, axis=-1)
+
+
+# ---------------------------------------------------------------- the plan: one entry per GGUF tensor
+
+
+@attrs.frozen
+class PlannedTensor:
+    """One GGUF tensor: name, numpy-order shape (GGUF dims reversed), type, and its row chunks in order."""
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: GGMLQuantizationType
+    chunks: Callable[[], Iterator[np.ndarray]]
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.qtype, self.shape)
+
+
+def _row_chunks(source: TensorSource, name: str) -> Callable[[], Iterator[np.ndarray]]:
+    def chunks() -> Iterator[np.ndarray]:
+        shape = source.shape(name)
+        if len(shape) < 2:
+            yield source.rows(name, 0, shape[0] if shape else 1).reshape(shape or (1,))
+            return
+        step = max(_FP8_BLOCK, _CHUNK_ELEMENTS // max(1, int(np.prod(shape[1:]))) // _FP8_BLOCK * _FP8_BLOCK)
+        for start in range(0, shape[0], step):
+            yield source.rows(name, start, min(start + step, shape[0]))
+    return chunks
+
+
+def _detect_layout(names: set[str]) -> str:
+    if "model.embed_tokens.weight" in names:
+        return "transformers"
+    if "embed.weight" in names:
+        return "official"
+    raise ConversionError("cannot tell the checkpoint layout: neither model.embed_tokens.weight (transformers) nor "
+                          "embed.weight (official DeepSeek) is present; is this a DeepSeek V4 checkpoint?")
+
+
+def _expected_shape(hp: HParams, gguf_name: str, kind: str) -> tuple[int, ...] | None:
+    """Numpy-order shape a tensor must have, for the tensors whose shape the config fixes (None: not checked)."""
+    d, h, hd = hp.hidden, hp.heads, hp.head_dim
+    coff = 2 if kind == "csa" else 1
+    shapes = {
+        "token_embd.weight": (hp.vocab, d), "output.weight": (hp.vocab, d),
+        "attn_q_a.weight": (hp.q_lora, d), "attn_q_b.weight": (h * hd, hp.q_lora), "attn_kv.weight": (hd, d),
+        "attn_output_a.weight": (hp.o_groups * hp.o_lora, h * hd // hp.o_groups),
+        "attn_output_b.weight": (d, hp.o_groups * hp.o_lora), "ffn_gate_inp.weight": (hp.experts, d),
+        "attn_compressor_kv.weight": (coff * hd, d), "ffn_gate_tid2eid.weight": (hp.vocab, hp.experts_used),
+        "indexer.attn_q_b.weight": (hp.indexer_heads * hp.indexer_dim, hp.q_lora),
+    }
+    return shapes.get(gguf_name.split(".", 2)[-1] if gguf_name.startswith("blk.") else gguf_name)
+
+
+def plan_tensors(hp: HParams, source: TensorSource, outtype: str) -> list[PlannedTensor]:
+    """Map every source tensor to its GGUF tensor (spec §12.3); refuse missing and unknown tensors."""
+    names = source.names()
+    official = _detect_layout(names) == "official"
+    used: set[str] = set()
+    plan: list[PlannedTensor] = []
+
+    def source_name(hf_name: str, official_name: str, layer: int | None) -> str:
+        local = official_name if official else hf_name
+        if layer is None:
+            return local
+        return f"layers.{layer}.{local}" if official else f"model.layers.{layer}.{local}"
+
+    def add(table: tuple, layer: int | None, kind: str, optional: bool = False) -> None:
+        for gguf_name, hf_name, official_name, type_class in table:
+            name = source_name(hf_name, official_name, layer)
+            if name not in names:
+                if optional:
+                    continue
+                raise ConversionError(f"the checkpoint has no tensor {name!r}, which layer type "
+                                      f"{kind or 'global'} needs; the download is incomplete or the config.json "
+                                      "does not match the weights")
+            shape = source.shape(name)
+            full_name = f"blk.{layer}.{gguf_name}" if layer is not None else gguf_name
+            expected = _expected_shape(hp, full_name, kind)
+            if expected is not None and shape != expected:
+                raise ConversionError(f"tensor {name!r} has shape {shape}, but config.json implies {expected}")
+            used.add(name)
+            plan.append(PlannedTensor(full_name, shape or (1,), _tensor_type(type_class, outtype, shape[-1] if shape
+                                                                               else 1), _row_chunks(source, name)))
+
+    add(_GLOBAL_TENSORS[:1], None, "")
+    for layer, kind in enumerate(hp.layer_kinds):
+        add(_LAYER_TENSORS, layer, kind)
+        if kind != "sliding":
+            add(_COMPRESSOR_TENSORS, layer, kind)
+        if kind == "csa":
+            add(_INDEXER_TENSORS, layer, kind)
+        if layer < hp.hash_layers:
+            add(_HASH_TENSORS, layer, "hash MoE")
+        else:
+            add(_BIAS_TENSORS, layer, kind, optional=True)
+        plan.extend(_plan_experts(hp, source, layer, official, used, outtype))
+    add(_GLOBAL_TENSORS[1:], None, "")
+
+    unknown = sorted(n for n in names - used if not n.startswith("mtp."))
+    if unknown:
+        shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+        raise ConversionError(f"the checkpoint holds tensors this converter does not know: {shown}; it may be a "
+                              "different model or a newer DeepSeek V4 variant")
+    return plan
+
+
+def _plan_experts(hp: HParams, source: TensorSource, layer: int, official: bool, used: set[str],
+                  outtype: str) -> list[PlannedTensor]:
+    """Routed experts of one layer as three [E, rows, cols] tensors (gate, up, down)."""
+    names = source.names()
+    i, d, e = hp.expert_ffn, hp.hidden, hp.experts
+    shapes = {"gate": (i, d), "up": (i, d), "down": (d, i)}
+    planned = []
+    for gguf_name, w, part in _EXPERT_TENSORS:
+        if official:
+            members = [f"layers.{layer}.ffn.experts.{x}.{w}.weight" for x in range(e)]
+            missing = [m for m in members if m not in names]
+            if missing:
+                raise ConversionError(f"the checkpoint lacks routed expert tensor {missing[0]!r}; the download is "
+                                      "incomplete or n_routed_experts in config.json is wrong")
+            for m in members:
+                if source.shape(m) != shapes[part]:
+                    raise ConversionError(f"tensor {m!r} has shape {source.shape(m)}, expected {shapes[part]}")
+            used.update(members)
+            chunks = _official_expert_chunks(source, members)
+        else:
+            stacked = f"model.layers.{layer}.mlp.experts.{'down_proj' if part == 'down' else 'gate_up_proj'}"
+            if stacked not in names:
+                raise ConversionError(f"the checkpoint has no tensor {stacked!r}; the download is incomplete")
+            want = (e, d, i) if part == "down" else (e, 2 * i, d)
+            if source.shape(stacked) != want:
+                raise ConversionError(f"tensor {stacked!r} has shape {source.shape(stacked)}, expected {want}")
+            used.add(stacked)
+            chunks = _stacked_expert_chunks(source, stacked, e, part, i)
+        shape = (e, *shapes[part])
+        planned.append(PlannedTensor(f"blk.{layer}.{gguf_name}", shape, _tensor_type("matrix", outtype, shape[-1]),
+                                     chunks))
+    return planned
+
+
+def _official_expert_chunks(source: TensorSource, members: list[str]) -> Callable[[], Iterator[np.ndarray]]:
+    def chunks() -> Iterator[np.ndarray]:
+        for member in members:
+            yield source.rows(member, 0, source.shape(member)[0])
+    return chunks
+
+
+def _stacked_expert_chunks(source: TensorSource, name: str, experts: int, part: str,
+                           i: int) -> Callable[[], Iterator[np.ndarray]]:
+    def chunks() -> Iterator[np.ndarray]:
+        for x in range(experts):
+            block = source.rows(name, x, x + 1)[0]
+            yield block if part == "down" else block[:i] if part == "gate" else block[i:]
+    return chunks
+
+
+# ---------------------------------------------------------------- writing
+
+
+def _encode(chunk: np.ndarray, qtype: GGMLQuantizationType) -> bytes:
+    if qtype == T.I32:
+        return np.ascontiguousarray(chunk, dtype="<i4").tobytes()
+    return quantize(chunk.astype(np.float32, copy=False), qtype).tobytes()
+
+
+def write_gguf(out_path: str | os.PathLike[str], metadata: list[tuple[str, Any, GGUFValueType,
+               GGUFValueType | None]], plan: list[PlannedTensor], progress: Progress | None = None) -> None:
+    """Write a GGUF atomically: a temporary file beside ``out_path``, fsync, then rename over it."""
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        writer = GGUFWriter(None, ARCHITECTURE)
+        for key, value, vtype, sub_type in metadata:
+            writer.add_key_value(key, value, vtype, sub_type)
+        for tensor in plan:
+            writer.add_tensor_info(tensor.name, tensor.shape, np.dtype(np.float32), tensor.nbytes,
+                                   raw_dtype=tensor.qtype)
+        writer.write_header_to_file(tmp)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        _write_tensor_data(writer, plan, progress)
+        writer.close()
+        with tmp.open("rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, out_path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _write_tensor_data(writer: GGUFWriter, plan: list[PlannedTensor], progress: Progress | None) -> None:
+    fout = writer.fout[0]
+    alignment = writer.data_alignment
+    total = sum(t.nbytes for t in plan)
+    done = 0
+    for tensor in plan:
+        fout.write(b"\0" * (-fout.tell() % alignment))
+        written = 0
+        for chunk in tensor.chunks():
+            data = _encode(chunk, tensor.qtype)
+            fout.write(data)
+            written += len(data)
+        if written != tensor.nbytes:
+            raise ConversionError(f"tensor {tensor.name} produced {written} bytes instead of {tensor.nbytes}; the "
+                                  "source tensor does not match its declared shape")
+        done += written
+        if progress is not None:
+            progress(done, total)
+    fout.write(b"\0" * (-fout.tell() % alignment))
+
+
+def tokenizer_metadata(src_dir: Path, vocab: int) -> list[tuple[str, Any, GGUFValueType, GGUFValueType | None]]:
+    """``tokenizer.*`` metadata from ``src_dir``'s tokenizer.json (special ids and chat template from
+    tokenizer_config.json when present), with the DeepSeek V4 pre-tokenizer ``joyai-llm``; the token list is
+    padded with unused ``[PAD<id>]`` entries up to the model's ``vocab`` rows."""
+
+    if not (src_dir / "tokenizer.json").is_file():
+        raise ConversionError(f"{src_dir} has no tokenizer.json; copy it from the model's Hugging Face repository")
+    try:
+        metadata = tokenizer_metadata_from_hf(src_dir, pre="joyai-llm")
+    except TokenizerError as exc:
+        raise ConversionError(f"cannot convert the tokenizer of {src_dir}: {exc}") from None
+    tokens, types = metadata["tokenizer.ggml.tokens"], metadata["tokenizer.ggml.token_type"]
+    if len(tokens) > vocab:
+        raise ConversionError(f"tokenizer.json has {len(tokens)} tokens but the model only {vocab} embedding rows; "
+                              "the tokenizer belongs to another model")
+    metadata["tokenizer.ggml.tokens"] = [*tokens, *(f"[PAD{i}]" for i in range(len(tokens), vocab))]
+    metadata["tokenizer.ggml.token_type"] = [*types, *[TOKEN_UNUSED] * (vocab - len(types))]
+    return [_metadata_row(key, value) for key, value in metadata.items()]
+
+
+def _metadata_row(key: str, value: Any) -> tuple[str, Any, GGUFValueType, GGUFValueType | None]:
+    """A metadata row for a plain Python value (lists become arrays typed by their first element)."""
+    if isinstance(value, (list, tuple, np.ndarray)):
+        items = list(value)
+        return (key, items, GGUFValueType.ARRAY, GGUFValueType.get_type(items[0]) if items else GGUFValueType.INT32)
+    return (key, value, GGUFValueType.get_type(value), None)
+
+
+def build_gguf(source: TensorSource, config: Mapping[str, Any], tokenizer_dir: Path, out_path: str | os.PathLike[str],
+               outtype: str, name: str, progress: Progress | None = None) -> None:
+    """Write the ds4 GGUF of ``source`` (transformers or official names) under ``config`` (a config.json dict)."""
+    outtype = _check_outtype(outtype)
+    hp = hparams_from_config(config)
+    plan = plan_tensors(hp, source, outtype)
+    metadata = [("general.name", name, GGUFValueType.STRING, None), *gguf_metadata(hp),
+                *tokenizer_metadata(tokenizer_dir, hp.vocab)]
+    write_gguf(out_path, metadata, plan, progress)
+
+
+def _check_outtype(outtype: str) -> str:
+    if not isinstance(outtype, str) or outtype.lower() not in OUTTYPES:
+        raise ConversionError(f"unsupported output type {outtype!r}; choose one of {', '.join(OUTTYPES)}")
+    return outtype.lower()
+
+
+def convert(src_dir: str | os.PathLike[str], out_path: str | os.PathLike[str], outtype: str,
+            progress: Progress | None = None) -> None:
+    """Convert the Hugging Face DeepSeek V4 directory ``src_dir`` to a ds4 GGUF at ``out_path``.
+
+    ``outtype``: ``f32``/``f16``/``bf16`` (that type for the large matrices, F32 for norms and other small
+    tensors) or ``q8_0`` (the published recipe: Q8_0 projections and experts, F16 router/HC/compressor/indexer/
+    embedding, F32 norms/biases/sinks). ``progress(done_bytes, total_bytes)`` is called after each tensor.
+    Raises :class:`ConversionError` on anything it cannot convert; ``out_path`` is then left untouched.
+    """
+    outtype = _check_outtype(outtype)
+    src = Path(src_dir)
+    config_path = src / "config.json"
+    if not config_path.is_file():
+        raise ConversionError(f"{src} has no config.json; point the converter at a Hugging Face model directory")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConversionError(f"{config_path} is not valid JSON ({exc}); re-download it") from None
+    name = re.sub(r"[-_]+$", "", src.resolve().name) or "DeepSeek-V4"
+    build_gguf(SafetensorsSource(src), config, src, out_path, outtype, name, progress)

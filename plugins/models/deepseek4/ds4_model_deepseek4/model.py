@@ -1,0 +1,274 @@
+"""The DeepSeek V4 graph on the op vocabulary: mHC residual streams, CSA/HCA attention with sinks, hash/bias MoE.
+
+Ordered weights → compressor → attention → MoE → block → model. Attribute names follow the GGUF tensor
+names (spec §12.3); shapes are numpy order (GGUF dims reversed). ``T`` is the chunk length, ``p0`` the
+position of its first token. A chunk of any length gives the same result as feeding its tokens one by one:
+every window-dependent quantity is computed from absolute positions and the state of spec §9.1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ds4_core.backend import Ops, WeightLoader
+from ds4_core.errors import ContextError
+
+from .config import DeepSeekV4Config
+from .state import CompressorState, DeepSeekV4State, LayerState, new_state, state_nbytes
+
+# GGML types each kind of tensor may have.
+NORM = ("F32",)
+FLOAT = ("F32", "F16", "BF16")
+MATMUL = FLOAT + ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q2_K")
+EXPERT = MATMUL + ("IQ2_XXS", "MXFP4")
+
+RowHook = Callable[[Any], Any]
+
+
+def _small(w: WeightLoader, ops: Ops, name: str, shape: tuple[int, ...]) -> Any:
+    """A small float tensor used in glue arithmetic, as a backend array."""
+    return ops.backend.asarray(w.array(name, shape=shape), dtype=ops.xp.float32)
+
+
+class Compressor:
+    """Pools each complete window of ``m`` tokens into one ``d``-wide row (HCA), or — with ``overlap`` (CSA) — the
+    previous window's ``Ca`` half and this window's ``Cb`` half (``2m`` slots), spec §5.3–5.4."""
+
+    def __init__(self, w: WeightLoader, ops: Ops, prefix: str, cfg: DeepSeekV4Config, m: int, d: int, overlap: bool):
+        width = 2 * d if overlap else d
+        D = cfg.hidden_size
+        self.m, self.d, self.overlap, self.eps = m, d, overlap, cfg.rms_norm_eps
+        self.ape = _small(w, ops, f"{prefix}_ape.weight", (m, width))
+        self.kv = w.get(f"{prefix}_kv.weight", (width, D), FLOAT)
+        self.gate = w.get(f"{prefix}_gate.weight", (width, D), FLOAT)
+        self.norm = w.get(f"{prefix}_norm.weight", (d,), NORM)
+
+    def __call__(self, ops: Ops, x: Any, pos: Any, cs: CompressorState, p0: int, inv_freq: Any,
+                 finish: RowHook | None) -> Any:
+        """Feed ``x [T, D]`` at positions ``pos [T]``; emit the rows of the windows it completes into ``cs``.
+
+        Returns every row emitted so far, ``[(p0 + T) // m, d]``; ``finish`` post-processes new rows (QAT).
+        """
+        xp, m, d = ops.xp, self.m, self.d
+        T, b = x.shape[0], p0 % m  # b tokens of the open window are buffered
+        kv = ops.linear(x, self.kv)
+        gate = ops.linear(x, self.gate) + self.ape[pos % m]
+        kv = xp.concatenate([cs.buf_kv[:b], kv])
+        gate = xp.concatenate([cs.buf_gate[:b], gate])
+        n_win = (b + T) // m
+        done = n_win * m
+        rest = b + T - done
+        cs.buf_kv[:rest] = kv[done:]
+        cs.buf_gate[:rest] = gate[done:]
+        first = p0 // m
+        if n_win == 0:
+            return cs.rows[:first]
+        kv = kv[:done].reshape(n_win, m, -1)
+        gate = gate[:done].reshape(n_win, m, -1)
+        if self.overlap:  # slots: Ca of the previous window, then Cb of this one
+            prev_kv = xp.concatenate([cs.prev_kv[None], kv[:-1, :, :d]])
+            prev_gate = xp.concatenate([cs.prev_gate[None], gate[:-1, :, :d]])
+            cs.prev_kv[...] = kv[-1, :, :d]
+            cs.prev_gate[...] = gate[-1, :, :d]
+            kv = xp.concatenate([prev_kv, kv[:, :, d:]], axis=1)
+            gate = xp.concatenate([prev_gate, gate[:, :, d:]], axis=1)
+        rows = ops.rms_norm(ops.softmax_pool(kv, gate), self.norm, self.eps)
+        rows = ops.rope(rows, (first + xp.arange(n_win, dtype=xp.int32)) * m, inv_freq)
+        if finish is not None:
+            rows = finish(rows)
+        cs.rows[first:first + n_win] = rows
+        return cs.rows[:first + n_win]
+
+
+class Indexer:
+    """Lightning indexer of a CSA layer: its own overlapping compressor (width ``ih``) and per-query head scores."""
+
+    def __init__(self, w: WeightLoader, ops: Ops, blk: str, cfg: DeepSeekV4Config, m: int):
+        self.nih, self.ih, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.attn_q_b = w.get(f"{blk}.indexer.attn_q_b.weight", (self.nih * self.ih, cfg.q_lora_rank), FLOAT)
+        self.proj = w.get(f"{blk}.indexer.proj.weight", (self.nih, cfg.hidden_size), FLOAT)
+        self.compressor = Compressor(w, ops, f"{blk}.indexer_compressor", cfg, m, self.ih, overlap=True)
+
+    def select(self, ops: Ops, x: Any, qr: Any, pos: Any, keys: Any, limit: Any, inv_freq: Any,
+               finish: RowHook | None) -> Any:
+        """Top-k compressed rows per query, ``[T, topk]`` int (``-1`` = none), among rows ``w < limit[t]``.
+
+        ``x [T, D]`` attention input, ``qr [T, q_lora]`` normalised query latent, ``keys [R, ih]`` indexer rows.
+        """
+        xp, T = ops.xp, x.shape[0]
+        q = ops.rope(ops.linear(qr, self.attn_q_b).reshape(T, self.nih, self.ih), pos, inv_freq)
+        if finish is not None:
+            q = finish(q)
+        head_w = ops.linear(x, self.proj) * np.float32(self.nih ** -0.5)
+        scores = ops.indexer_scores(q, keys, head_w, self.ih ** -0.5)
+        complete = xp.arange(keys.shape[0])[None, :] < limit[:, None]
+        scores = xp.where(complete, scores, -xp.inf)
+        sel = ops.topk(scores, self.topk)
+        return xp.where(xp.take_along_axis(complete, sel, axis=1), sel, -1)
+
+
+class Attention:
+    """Shared-K=V multi-query attention over the raw window and (CSA/HCA) compressed rows, spec §5."""
+
+    def __init__(self, w: WeightLoader, ops: Ops, layer: int, cfg: DeepSeekV4Config, qat: bool):
+        blk, D, H, hd = f"blk.{layer}", cfg.hidden_size, cfg.num_heads, cfg.head_dim
+        self.cfg, self.kind, self.m = cfg, cfg.layer_kind(layer), cfg.compress_ratios[layer]
+        self.attn_q_a = w.get(f"{blk}.attn_q_a.weight", (cfg.q_lora_rank, D), MATMUL)
+        self.attn_q_a_norm = w.get(f"{blk}.attn_q_a_norm.weight", (cfg.q_lora_rank,), NORM)
+        self.attn_q_b = w.get(f"{blk}.attn_q_b.weight", (H * hd, cfg.q_lora_rank), MATMUL)
+        self.attn_kv = w.get(f"{blk}.attn_kv.weight", (hd, D), MATMUL)
+        self.attn_kv_a_norm = w.get(f"{blk}.attn_kv_a_norm.weight", (hd,), NORM)
+        self.attn_sinks = w.get(f"{blk}.attn_sinks.weight", (H,), NORM)
+        self.attn_output_a = w.get(f"{blk}.attn_output_a.weight", (cfg.o_groups * cfg.o_lora_rank, H * hd // cfg.o_groups),
+                                   MATMUL)
+        self.attn_output_b = w.get(f"{blk}.attn_output_b.weight", (D, cfg.o_groups * cfg.o_lora_rank), MATMUL)
+        self.compressor = self.indexer = None
+        if self.kind != "sliding":
+            self.compressor = Compressor(w, ops, f"{blk}.attn_compressor", cfg, self.m, hd, self.kind == "csa")
+        if self.kind == "csa":
+            self.indexer = Indexer(w, ops, blk, cfg, self.m)
+        freqs = cfg.main_inv_freq() if self.kind == "sliding" else cfg.compress_inv_freq()
+        self.inv_freq = ops.backend.asarray(freqs)
+        self.kv_finish: RowHook | None = (lambda r: ops.fp8_kv_round(r, cfg.rope_dim)) if qat else None
+        self.index_finish: RowHook | None = ops.fp4_hadamard_round if qat else None
+
+    def __call__(self, ops: Ops, x: Any, pos: Any, ls: LayerState, p0: int) -> Any:
+        """``x [T, D]`` (normalised collapsed stream) at positions ``pos [T]`` -> ``[T, D]``; advances ``ls``."""
+        cfg, xp, T = self.cfg, ops.xp, x.shape[0]
+        H, hd, W, eps = cfg.num_heads, cfg.head_dim, cfg.sliding_window, cfg.rms_norm_eps
+        qr = ops.rms_norm(ops.linear(x, self.attn_q_a), self.attn_q_a_norm, eps)
+        q = ops.rms_norm(ops.linear(qr, self.attn_q_b).reshape(T, H, hd), None, eps)
+        q = ops.rope(q, pos, self.inv_freq)
+        kv = ops.rope(ops.rms_norm(ops.linear(x, self.attn_kv), self.attn_kv_a_norm, eps), pos, self.inv_freq)
+        if self.kv_finish is not None:
+            kv = self.kv_finish(kv)
+
+        # Raw window: the last W-1 earlier rows from the ring, then the chunk; query i sees rows (i+n_prev-W, i+n_prev].
+        n_prev = min(p0, W - 1)
+        keys = [ls.raw[xp.arange(p0 - n_prev, p0) % W], kv]
+        idx = n_prev - W + 1 + xp.arange(T)[:, None] + xp.arange(W)[None, :]
+        parts = [xp.where(idx >= 0, idx, -1)]
+        keep = min(T, W)
+        ls.raw[pos[T - keep:] % W] = kv[T - keep:]
+
+        if self.compressor is not None:
+            rows = self.compressor(ops, x, pos, ls.compressor, p0, self.inv_freq, self.kv_finish)
+            limit = (pos + 1) // self.m  # rows w < limit[t] are complete for query t
+            sel = None
+            if self.indexer is not None:
+                index_rows = self.indexer.compressor(ops, x, pos, ls.indexer, p0, self.inv_freq, self.index_finish)
+                if rows.shape[0] > self.indexer.topk:
+                    sel = self.indexer.select(ops, x, qr, pos, index_rows, limit, self.inv_freq, self.index_finish)
+            if sel is None:  # every complete row is visible
+                w = xp.arange(rows.shape[0])[None, :]
+                sel = xp.where(w < limit[:, None], w, -1)
+            keys.append(rows)
+            parts.append(xp.where(sel >= 0, sel + n_prev + T, -1))
+
+        o = ops.sparse_attention(q, xp.concatenate(keys), xp.concatenate(parts, axis=1), self.attn_sinks, hd ** -0.5)
+        o = ops.rope(o, pos, self.inv_freq, inverse=True)
+        low = ops.grouped_linear(o.reshape(T, cfg.o_groups, -1), self.attn_output_a)
+        return ops.linear(low.reshape(T, -1), self.attn_output_b)
+
+
+class MoE:
+    """Routed SwiGLU experts (bias-corrected top-k, or a fixed token→experts table in hash layers) + one shared expert."""
+
+    def __init__(self, w: WeightLoader, ops: Ops, layer: int, cfg: DeepSeekV4Config):
+        blk, D, E, I = f"blk.{layer}", cfg.hidden_size, cfg.n_experts, cfg.expert_ffn
+        self.k, self.scale, self.limit = cfg.n_experts_used, cfg.routed_scaling_factor, cfg.swiglu_limits[layer]
+        self.ffn_gate_inp = w.get(f"{blk}.ffn_gate_inp.weight", (E, D), FLOAT)
+        self.exp_probs_b = self.ffn_gate_tid2eid = None
+        if cfg.is_hash_layer(layer):
+            table = w.array(f"{blk}.ffn_gate_tid2eid.weight", dtype=np.int32, shape=(cfg.vocab_size, self.k))
+            self.ffn_gate_tid2eid = ops.backend.asarray(table)
+        else:
+            self.exp_probs_b = w.optional(f"{blk}.exp_probs_b.bias", (E,), NORM)
+        self.ffn_gate_exps = w.get(f"{blk}.ffn_gate_exps.weight", (E, I, D), EXPERT)
+        self.ffn_up_exps = w.get(f"{blk}.ffn_up_exps.weight", (E, I, D), EXPERT)
+        self.ffn_down_exps = w.get(f"{blk}.ffn_down_exps.weight", (E, D, I), EXPERT)
+        self.ffn_gate_shexp = w.get(f"{blk}.ffn_gate_shexp.weight", (I, D), MATMUL)
+        self.ffn_up_shexp = w.get(f"{blk}.ffn_up_shexp.weight", (I, D), MATMUL)
+        self.ffn_down_shexp = w.get(f"{blk}.ffn_down_shexp.weight", (D, I), MATMUL)
+
+    def __call__(self, ops: Ops, x: Any, ids: Any) -> Any:
+        """``x [T, D]``, token ids ``[T]`` -> ``[T, D]``."""
+        fixed = None if self.ffn_gate_tid2eid is None else self.ffn_gate_tid2eid[ids]
+        idx, weights = ops.moe_route(ops.linear(x, self.ffn_gate_inp), self.exp_probs_b, self.k, self.scale, fixed)
+        routed = ops.moe_experts(x, self.ffn_gate_exps, self.ffn_up_exps, self.ffn_down_exps, idx, weights,
+                                 self.limit)
+        h = ops.swiglu(ops.linear(x, self.ffn_gate_shexp), ops.linear(x, self.ffn_up_shexp), self.limit)
+        return routed + ops.linear(h, self.ffn_down_shexp)
+
+
+class Block:
+    """One decoder layer: hyper-connection around attention, then around the MoE (spec §3–4)."""
+
+    def __init__(self, w: WeightLoader, ops: Ops, layer: int, cfg: DeepSeekV4Config, qat: bool):
+        blk, n, D = f"blk.{layer}", cfg.hc_mult, cfg.hidden_size
+        self.cfg = cfg
+        for sub in ("attn", "ffn"):
+            setattr(self, f"hc_{sub}_fn", w.get(f"{blk}.hc_{sub}_fn.weight", ((2 + n) * n, n * D), FLOAT))
+            setattr(self, f"hc_{sub}_scale", w.get(f"{blk}.hc_{sub}_scale.weight", (3,), NORM))
+            setattr(self, f"hc_{sub}_base", w.get(f"{blk}.hc_{sub}_base.weight", ((2 + n) * n,), NORM))
+        self.attn_norm = w.get(f"{blk}.attn_norm.weight", (D,), NORM)
+        self.ffn_norm = w.get(f"{blk}.ffn_norm.weight", (D,), NORM)
+        self.attn = Attention(w, ops, layer, cfg, qat)
+        self.ffn = MoE(w, ops, layer, cfg)
+
+    def __call__(self, ops: Ops, S: Any, ids: Any, pos: Any, ls: LayerState, p0: int) -> Any:
+        """Streams ``S [T, n, D]`` -> ``[T, n, D]``."""
+        cfg = self.cfg
+        hc = (cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        c, post, comb = ops.hc_pre(S, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, *hc)
+        S = ops.hc_post(S, self.attn(ops, ops.rms_norm(c, self.attn_norm, cfg.rms_norm_eps), pos, ls, p0), post, comb)
+        c, post, comb = ops.hc_pre(S, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, *hc)
+        return ops.hc_post(S, self.ffn(ops, ops.rms_norm(c, self.ffn_norm, cfg.rms_norm_eps), ids), post, comb)
+
+
+class DeepSeekV4Model:
+    """A loaded DeepSeek V4 model (satisfies :class:`ds4_core.model.Model`)."""
+
+    family = "deepseek4"
+
+    def __init__(self, w: WeightLoader, ops: Ops, cfg: DeepSeekV4Config, qat_rounding: bool = False):
+        n, D, V = cfg.hc_mult, cfg.hidden_size, cfg.vocab_size
+        self.cfg, self.ops, self.qat_rounding = cfg, ops, qat_rounding
+        self.vocab_size, self.max_context = V, cfg.context_length
+        self.token_embd = w.get("token_embd.weight", (V, D), MATMUL)
+        self.blocks = [Block(w, ops, layer, cfg, qat_rounding) for layer in range(cfg.num_layers)]
+        self.output_hc_fn = w.get("output_hc_fn.weight", (n, n * D), FLOAT)
+        self.output_hc_scale = w.get("output_hc_scale.weight", (1,), NORM)
+        self.output_hc_base = w.get("output_hc_base.weight", (n,), NORM)
+        self.output_norm = w.get("output_norm.weight", (D,), NORM)
+        self.output = w.get("output.weight", (V, D), MATMUL)
+
+    def new_state(self, ctx: int) -> DeepSeekV4State:
+        """Empty state for a context of ``ctx`` tokens."""
+        return new_state(self.cfg, ctx, self.ops.xp)
+
+    def state_nbytes(self, ctx: int) -> int:
+        return state_nbytes(self.cfg, ctx)
+
+    def forward(self, ids: Any, state: DeepSeekV4State) -> Any:
+        """Feed token ids ``[T]`` (T ≥ 1) after ``state.n_tokens`` tokens; return logits ``[T, V]``, advance ``state``."""
+        ops, xp, cfg = self.ops, self.ops.xp, self.cfg
+        T, p0 = len(ids), state.n_tokens
+        if T < 1:
+            raise ContextError("forward needs at least one token")
+        if p0 + T > state.ctx:
+            raise ContextError(f"{p0 + T} tokens do not fit the context of {state.ctx}; start a new session "
+                               "or load the model with a larger --ctx")
+        ids = ops.backend.asarray(ids, dtype=xp.int32)
+        pos = xp.arange(p0, p0 + T, dtype=xp.int32)
+        x = ops.embed(self.token_embd, ids)
+        S = xp.repeat(x[:, None, :], cfg.hc_mult, axis=1)
+        for block, ls in zip(self.blocks, state.layers):
+            S = block(ops, S, ids, pos, ls, p0)
+        h = ops.hc_head(S, self.output_hc_fn, self.output_hc_scale, self.output_hc_base, cfg.hc_eps, cfg.rms_norm_eps)
+        state.n_tokens = p0 + T
+        return ops.linear(ops.rms_norm(h, self.output_norm, cfg.rms_norm_eps), self.output)
+
