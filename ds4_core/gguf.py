@@ -12,6 +12,7 @@ innermost dimension).
 
 from __future__ import annotations
 
+import itertools
 import math
 import mmap
 import struct
@@ -44,11 +45,9 @@ _SCALAR_FORMATS: dict[GGUFValueType, str] = {
     V.UINT8: "<B", V.INT8: "<b", V.UINT16: "<H", V.INT16: "<h", V.UINT32: "<I", V.INT32: "<i",
     V.UINT64: "<Q", V.INT64: "<q", V.FLOAT32: "<f", V.FLOAT64: "<d", V.BOOL: "<B",
 }
-_SCALAR_DTYPES: dict[GGUFValueType, np.dtype] = {
-    vtype: np.dtype(fmt).newbyteorder("<") for vtype, fmt in _SCALAR_FORMATS.items()
-}
-_U64 = struct.Struct("<Q")
-_STRUCTS = {fmt: struct.Struct(fmt) for fmt in {*_SCALAR_FORMATS.values(), "<I", "<Q"}}
+_SCALAR_DTYPES = {vtype: np.dtype(fmt) for vtype, fmt in _SCALAR_FORMATS.items()}
+_STRUCTS = {fmt: struct.Struct(fmt) for fmt in _SCALAR_FORMATS.values()}
+_U64 = _STRUCTS["<Q"]
 _INT_TYPES = frozenset({V.UINT8, V.INT8, V.UINT16, V.INT16, V.UINT32, V.INT32, V.UINT64, V.INT64})
 # ds4 reads float hyperparameters stored as any of these.
 _FLOAT_TYPES = frozenset({V.FLOAT32, V.FLOAT64, V.UINT32, V.INT32})
@@ -170,7 +169,7 @@ class Metadata(Mapping[str, Any]):
         return default if entry is None else _as_python(entry)
 
     def int_array(self, key: str, default: Any = _MISSING) -> np.ndarray:
-        """The integer ARRAY ``key``: shape ``[n]``, its stored dtype, a read-only view into the file."""
+        """The integer ARRAY ``key``: a read-only array of shape ``[n]`` and the stored dtype."""
         entry = self._array_of(key, _INT_TYPES, "an integer type", default)
         return default if entry is None else entry.value
 
@@ -188,7 +187,8 @@ class Metadata(Mapping[str, Any]):
             )
         return entry
 
-    def _typed(self, key: str, allowed: Iterable[GGUFValueType], expected: str, default: Any = _MISSING) -> _Entry | None:
+    def _typed(self, key: str, allowed: Iterable[GGUFValueType], expected: str,
+               default: Any = _MISSING) -> _Entry | None:
         if key not in self._entries and default is not _MISSING:
             return None
         entry = self._entry(key)
@@ -290,7 +290,7 @@ def _read_scalar(cur: _Cursor, vtype: GGUFValueType, what: str) -> Any:
     value = cur.scalar(_SCALAR_FORMATS[vtype], what)
     if vtype == V.BOOL:
         if value > 1:
-            raise cur.fail(GGUFFormatError, f"{what} is a BOOL of value {value}, not 0 or 1; the file is corrupt — {_FIX}")
+            raise cur.fail(GGUFFormatError, f"{what} is a BOOL of value {value}, not 0 or 1; {_FIX}")
         return bool(value)
     return value
 
@@ -318,11 +318,13 @@ def _read_array(cur: _Cursor, what: str, depth: int) -> _Entry:
         )
     if element_type in _SCALAR_DTYPES:
         dtype = _SCALAR_DTYPES[element_type]
-        values = np.frombuffer(cur.buf, dtype=dtype, count=count, offset=cur.pos)
+        # A copy, so that metadata does not pin the mapping open after close().
+        values = np.frombuffer(cur.buf, dtype=dtype, count=count, offset=cur.pos).copy()
+        values.flags.writeable = False
         cur.pos += count * dtype.itemsize
         if element_type == V.BOOL:
             if np.any(values > 1):
-                raise cur.fail(GGUFFormatError, f"{what} holds BOOL values that are not 0 or 1; the file is corrupt — {_FIX}")
+                raise cur.fail(GGUFFormatError, f"{what} holds BOOL values that are not 0 or 1; {_FIX}")
             values = values.view(np.bool_)
         return _Entry(V.ARRAY, values, element_type)
     if element_type == V.STRING:
@@ -431,7 +433,7 @@ def _read_tensor_info(cur: _Cursor, index: int) -> tuple[str, GGMLQuantizationTy
     n_dims = cur.u32(f"the dimension count of {what}")
     if n_dims > MAX_DIMS:
         raise cur.fail(
-            GGUFTensorError, f"{what} has {n_dims} dimensions, more than GGML's {MAX_DIMS}; the file is corrupt — {_FIX}"
+            GGUFTensorError, f"{what} has {n_dims} dimensions, more than GGML's {MAX_DIMS}; the file is corrupt, {_FIX}"
         )
     dims = [cur.u64(f"the dimensions of {what}") for _ in range(n_dims)]
     for dim in dims:
@@ -462,7 +464,7 @@ def _read_tensor_info(cur: _Cursor, index: int) -> tuple[str, GGMLQuantizationTy
     return name, qtype, tuple(reversed(dims)), offset, nbytes
 
 
-def _read_tensors(cur: _Cursor, n_tensors: int, alignment: int) -> dict[str, TensorInfo]:
+def _read_tensors(cur: _Cursor, n_tensors: int, alignment: int, require_data: bool) -> dict[str, TensorInfo]:
     directory = []
     names: set[str] = set()
     for index in range(n_tensors):
@@ -486,13 +488,13 @@ def _read_tensors(cur: _Cursor, n_tensors: int, alignment: int) -> dict[str, Ten
                 f"{what} starts at data offset {offset}, not a multiple of the alignment {alignment}; "
                 f"the file is corrupt — {_FIX}",
             )
-        if nbytes > cur.size:
+        if nbytes > (cur.size if require_data else INT64_MAX):
             raise cur.fail(
                 GGUFFormatError,
                 f"{what} ({qtype.name}, shape {shape}) declares {nbytes} bytes, more than the whole file "
                 f"({cur.size} bytes); the file is corrupt — {_FIX}",
             )
-        if offset + nbytes > data_size:
+        if require_data and offset + nbytes > data_size:
             raise cur.fail(
                 GGUFFormatError,
                 f"the file is truncated: {what} needs bytes {offset}..{offset + nbytes} of the tensor data, "
@@ -500,7 +502,7 @@ def _read_tensors(cur: _Cursor, n_tensors: int, alignment: int) -> dict[str, Ten
             )
         tensors[name] = TensorInfo(name, qtype, shape, data_start + offset, nbytes)
     by_offset = sorted(tensors.values(), key=lambda t: t.offset)
-    for before, after in zip(by_offset, by_offset[1:]):
+    for before, after in itertools.pairwise(by_offset):
         if after.offset < before.offset + before.nbytes:
             raise cur.fail(
                 GGUFFormatError,
@@ -523,7 +525,7 @@ class GGUFFile:
     metadata: Metadata
     tensors: dict[str, TensorInfo]
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, *, require_data: bool = True):
         self.path = Path(path)
         try:
             with open(self.path, "rb") as fh:
@@ -537,15 +539,19 @@ class GGUFFile:
             entries = _read_metadata(cur, n_kv)
             self.alignment = _alignment(cur, entries)
             self.metadata = Metadata(self.path, entries)
-            self.tensors = _read_tensors(cur, n_tensors, self.alignment)
+            self.tensors = _read_tensors(cur, n_tensors, self.alignment, require_data)
         except BaseException:
             self.close()
             raise
 
     @classmethod
-    def open(cls, path: str | Path) -> GGUFFile:
-        """Map and validate ``path``; raises a :class:`GGUFError` subclass if it is not a sound GGUF file."""
-        return cls(path)
+    def open(cls, path: str | Path, *, require_data: bool = True) -> GGUFFile:
+        """Map and validate ``path``; raises a :class:`GGUFError` subclass if it is not a sound GGUF file.
+
+        With ``require_data=False`` tensor data may be missing (a truncated or header-only file, e.g. for
+        ``ds4 info``); reading a tensor whose bytes are absent then raises :class:`GGUFFormatError`.
+        """
+        return cls(path, require_data=require_data)
 
     def __enter__(self) -> GGUFFile:
         return self
@@ -581,7 +587,8 @@ class GGUFFile:
             )
         if shape is not None:
             expected = tuple(shape)
-            if len(expected) != len(info.shape) or any(e is not None and e != g for e, g in zip(expected, info.shape)):
+            if len(expected) != len(info.shape) or any(
+                    e is not None and e != g for e, g in zip(expected, info.shape, strict=True)):
                 raise GGUFTensorError(
                     f"{self.path}: tensor {name!r} has shape {info.shape}, expected "
                     f"{tuple('*' if e is None else e for e in expected)}; the file does not match the model's "
@@ -599,7 +606,7 @@ class GGUFFile:
     def tensor_bytes(self, name: str) -> np.ndarray:
         """The raw bytes of tensor ``name``: uint8, shape ``[nbytes]``, a read-only view into the file."""
         info = self.require_tensor(name)
-        return np.frombuffer(self._mapped(), dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        return np.frombuffer(self._mapped(info), dtype=np.uint8, count=info.nbytes, offset=info.offset)
 
     def tensor_array(self, name: str) -> np.ndarray:
         """Tensor ``name`` as a read-only typed view of its numpy shape (F32/F16/F64/I8/I16/I32/I64; BF16 as uint16)."""
@@ -610,10 +617,15 @@ class GGUFFile:
                 f"{self.path}: tensor {name!r} is {info.type_name}, a block-quantized type with no element view; "
                 "use tensor_bytes() and ds4_core.quants to dequantize it"
             )
-        flat = np.frombuffer(self._mapped(), dtype=dtype, count=info.n_elements, offset=info.offset)
+        flat = np.frombuffer(self._mapped(info), dtype=dtype, count=info.n_elements, offset=info.offset)
         return flat.reshape(info.shape)
 
-    def _mapped(self) -> mmap.mmap:
+    def _mapped(self, info: TensorInfo) -> mmap.mmap:
         if self._map is None:
             raise GGUFError(f"{self.path}: the GGUF file was closed; open it again to read tensors")
+        if info.offset + info.nbytes > len(self._map):
+            raise GGUFFormatError(
+                f"{self.path}: the file is truncated: tensor {info.name!r} needs bytes {info.offset}.."
+                f"{info.offset + info.nbytes} but the file has {len(self._map)}; {_FIX}"
+            )
         return self._map

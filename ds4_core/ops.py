@@ -28,7 +28,7 @@ def linear(x: np.ndarray, w: Weight) -> np.ndarray:
 
 
 def grouped_linear(x: np.ndarray, w: Weight) -> np.ndarray:
-    """Block-diagonal projection: ``x [T, G, in]``, ``w [G·out, in]`` (rows of group g contiguous) -> ``[T, G, out]``."""
+    """Block-diagonal projection: ``x [T, G, in]``, ``w [G·out, in]`` (group g's rows contiguous) -> ``[T, G, out]``."""
     groups = x.shape[1]
     wg = w.data.reshape(groups, -1, x.shape[2])
     return np.einsum("tgi,goi->tgo", x, wg, dtype=F32)

@@ -8,7 +8,6 @@ that yields exactly the same pieces in a single pass over the text.
 from __future__ import annotations
 
 import unicodedata
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import regex
@@ -30,7 +29,7 @@ _QWEN35_PATTERN = (
 # groups, then CJK/kana runs, then the general rule. The single-pass form below yields the same pieces: the
 # general rule is applied separately outside CJK runs (classes exclude digits and CJK, and "end of piece" becomes
 # "next char is a digit or CJK") and inside them (classes intersected with CJK). Unmatched characters are the
-# one thing a single pass can glue across a CJK boundary; PreTokenizer.split cuts those gaps apart again.
+# one thing a single pass could glue across a CJK boundary, so gap runs are taken inside or outside CJK only.
 _CJK = "一-龥぀-ゟ゠-ヿ"
 _ASCII_PUNCT = r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~]"""
 _DEEPSEEK_SPLITS = (
@@ -50,7 +49,6 @@ _DEEPSEEK_SINGLE_PASS = (
     f"|\\s+(?![^\\s\\p{{N}}{_CJK}])"
     r"|\s+"
 )
-_DEEPSEEK_BOUNDARY = regex.compile(f"[{_CJK}]+|[^{_CJK}]+")
 
 
 @dataclass(frozen=True)
@@ -60,46 +58,34 @@ class PreTokenizer:
     name: str
     hf_split_patterns: tuple[str, ...]  # the tokenizer.json Split regexes, in order (all "Isolated")
     nfc: bool  # the tokenizer.json applies an NFC normalizer first
-    pattern: regex.Pattern
-    gap_splitter: regex.Pattern | None = None  # re-cuts runs of unmatched characters (see DeepSeek above)
+    pattern: regex.Pattern  # matches every piece, including runs of characters the rule leaves unmatched
 
     def normalize(self, text: str) -> str:
         """Return ``text`` as the model's normalizer would see it (NFC or unchanged)."""
         return unicodedata.normalize("NFC", text) if self.nfc else text
 
     def split(self, text: str) -> list[str]:
-        """Cut normalized ``text`` into pieces; their concatenation is ``text``.
+        """Cut normalized ``text`` into pieces whose concatenation is ``text``."""
+        return self.pattern.findall(text)
 
-        Regex matches are pieces, and so is each run of characters no alternative matches (HF "Isolated").
-        """
-        pieces = self.pattern.findall(text)
-        if sum(map(len, pieces)) == len(text):  # the usual case: no unmatched characters
-            return pieces
-        return list(self._split_with_gaps(text))
 
-    def _split_with_gaps(self, text: str) -> Iterator[str]:
-        pos = 0
-        for m in self.pattern.finditer(text):
-            start, end = m.span()
-            if start > pos:
-                yield from self._gap(text[pos:start])
-            yield m.group()
-            pos = end
-        if pos < len(text):
-            yield from self._gap(text[pos:])
+def _with_gaps(rule: str, gap_classes: tuple[str, ...] = ("(?s:.)",), flags: int = 0) -> regex.Pattern:
+    """Compile ``rule`` plus a last alternative taking each run of characters where ``rule`` matches nowhere.
 
-    def _gap(self, gap: str) -> list[str]:
-        return self.gap_splitter.findall(gap) if self.gap_splitter is not None else [gap]
+    HF "Isolated" splitting keeps such runs as pieces; a run is never mixed across ``gap_classes``.
+    """
+    gaps = "|".join(f"(?:(?!{rule}){cls})+" for cls in gap_classes)
+    return regex.compile(f"{rule}|{gaps}", flags)
 
 
 _FAMILIES = (
     (
         ("joyai-llm", "deepseek-v3", "deepseek4", "deepseek-v4"),
-        PreTokenizer("joyai-llm", _DEEPSEEK_SPLITS, False, regex.compile(_DEEPSEEK_SINGLE_PASS, regex.V1),
-                     _DEEPSEEK_BOUNDARY),
+        PreTokenizer("joyai-llm", _DEEPSEEK_SPLITS, False,
+                     _with_gaps(_DEEPSEEK_SINGLE_PASS, (f"[{_CJK}]", f"[^{_CJK}]"), regex.V1)),
     ),
-    (("glm4", "chatglm4", "glm5"), PreTokenizer("glm4", (_GLM4_PATTERN,), False, regex.compile(_GLM4_PATTERN))),
-    (("qwen35", "qwen3.5", "qwen38"), PreTokenizer("qwen35", (_QWEN35_PATTERN,), True, regex.compile(_QWEN35_PATTERN))),
+    (("glm4", "chatglm4", "glm5"), PreTokenizer("glm4", (_GLM4_PATTERN,), False, _with_gaps(_GLM4_PATTERN))),
+    (("qwen35", "qwen3.5", "qwen38"), PreTokenizer("qwen35", (_QWEN35_PATTERN,), True, _with_gaps(_QWEN35_PATTERN))),
 )
 
 #: ``tokenizer.ggml.pre`` values (canonical names first, then accepted aliases) -> pre-tokenizer.

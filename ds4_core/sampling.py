@@ -149,13 +149,9 @@ def _without_nan(logits: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(logits), -np.inf, logits) if np.isnan(logits).any() else logits
 
 
-def _clean_logits(c: Candidates) -> np.ndarray:
-    return _without_nan(c.logits)
-
-
 def _best(c: Candidates) -> int:
     """Position of the highest logit; among equal logits, the lowest token id."""
-    logits = _clean_logits(c)
+    logits = _without_nan(c.logits)
     top = logits.max()
     if top == -np.inf:
         raise SamplingError("every logit is -inf or NaN, so no token can be chosen; check the model output")
@@ -177,7 +173,7 @@ def top_k(c: Candidates, p: SamplingParams) -> Candidates:
     k = min(p.top_k, TOP_K_CAP)
     if k == 0 or k >= len(c):
         return c
-    logits = _clean_logits(c)
+    logits = _without_nan(c.logits)
     kth = logits[np.argpartition(logits, -k)[-k:]].min()
     above = np.flatnonzero(logits > kth)
     tied = np.flatnonzero(logits == kth)
@@ -195,7 +191,7 @@ def temperature(c: Candidates, p: SamplingParams) -> Candidates:
     if p.temperature <= 0.0:
         best = np.array([_best(c)])
         return Candidates(c.ids[best], c.logits[best], np.ones(1))
-    logits = _clean_logits(c)
+    logits = _without_nan(c.logits)
     finite = np.isfinite(logits)
     if not finite.all():
         infinite = np.flatnonzero(logits == np.inf)

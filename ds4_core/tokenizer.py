@@ -137,13 +137,16 @@ class Tokenizer:
             left, right = parts
             ids = vocab.get(left), vocab.get(right), vocab.get(left + right)
             if None in ids:
-                missing = [t for t, i in zip((left, right, left + right), ids) if i is None]
+                missing = [t for t, i in zip((left, right, left + right), ids, strict=True) if i is None]
                 raise TokenizerError(f"merge {rank} {merge!r} refers to tokens not in the vocabulary: {missing}")
             table.setdefault(ids[0] * n + ids[1], (rank, ids[2]))
         return table
 
     def _build_special_regex(self) -> regex.Pattern | None:
-        literals = [t for t, ty in zip(self._tokens, self._types) if ty in (TOKEN_CONTROL, TOKEN_USER_DEFINED) and t]
+        literals = [
+            t for t, kind in zip(self._tokens, self._types, strict=True) if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED)
+        ]
+        literals = [t for t in literals if t]
         if not literals:
             return None
         return regex.compile(_trie_pattern(literals))
@@ -214,7 +217,9 @@ class Tokenizer:
         for b in piece.encode("utf-8", "surrogatepass"):
             i = byte_ids[b]
             if i is None:
-                raise TokenizerError(f"the vocabulary has no token for byte 0x{b:02X}; the GGUF vocabulary is incomplete")
+                raise TokenizerError(
+                    f"the vocabulary has no token for byte 0x{b:02X}; the GGUF vocabulary is incomplete"
+                )
             ids.append(i)
         n = len(ids)
         if n < 2:
@@ -397,7 +402,9 @@ def _check_hf_pipeline(tj: dict, family: PreTokenizer) -> None:
     if model.get("type", "BPE") != "BPE" or "vocab" not in model:
         raise TokenizerError("tokenizer.json is not a BPE model; only byte-level BPE can be converted")
     if model.get("byte_fallback") or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
-        raise TokenizerError("tokenizer.json uses byte_fallback/subword affixes; only plain byte-level BPE is supported")
+        raise TokenizerError(
+            "tokenizer.json uses byte_fallback or subword affixes; only plain byte-level BPE is supported"
+        )
     if model.get("ignore_merges"):
         raise TokenizerError("tokenizer.json sets ignore_merges, which GGUF cannot record; it is not supported")
 

@@ -117,7 +117,7 @@ def _tensor_parts(value: np.ndarray | RawTensor) -> tuple[np.ndarray, GGMLQuanti
     byte_shape = (*shape[:-1], shape[-1] // block_elems * block_bytes)
     raw = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
     if raw.size != int(np.prod(byte_shape)):
-        raise ValueError(f"{raw.size} bytes given for a {qtype.name} tensor of shape {shape}; {np.prod(byte_shape)} needed")
+        raise ValueError(f"{raw.size} bytes given for {qtype.name} of shape {shape}, not {np.prod(byte_shape)}")
     return raw.reshape(byte_shape), qtype, shape
 
 
@@ -215,7 +215,10 @@ TINY_METADATA: dict[str, Any] = {
     "tokenizer.ggml.tokens": ["<s>", "a", "b"],
     "tokenizer.ggml.token_type": [3, 1, 1],
 }
-_Q8_BLOCK = np.concatenate([np.array([0.5], np.float16).view(np.uint8), np.arange(-16, 16, dtype=np.int8).view(np.uint8)])
+_Q8_BLOCK = np.concatenate([
+    np.float16(0.5).reshape(1).view(np.uint8),
+    np.arange(-16, 16, dtype=np.int8).view(np.uint8),
+])
 TINY_TENSORS: dict[str, np.ndarray | RawTensor] = {
     "a.weight": np.arange(6, dtype=np.float32).reshape(2, 3),
     "b.weight": (_Q8_BLOCK, Q.Q8_0, (1, 32)),

@@ -26,9 +26,11 @@ import numpy as np
 from gguf import GGUFValueType, GGUFWriter
 from gguf.constants import GGMLQuantizationType
 
-from ds4_core.errors import ConversionError, TokenizerError
+from ds4_core.errors import ConversionError, ModelConfigError, TokenizerError
 from ds4_core.quants import quantize, tensor_nbytes
 from ds4_core.tokenizer import TOKEN_UNUSED, tokenizer_metadata_from_hf
+
+from .config import CSA_RATIO, DeepSeekV4Config
 
 ARCHITECTURE = "deepseek4"
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
@@ -115,49 +117,8 @@ def _yarn(config: Mapping[str, Any]) -> dict[str, float]:
             "beta_fast": float(scaling.get("beta_fast", 32.0)), "beta_slow": float(scaling.get("beta_slow", 1.0))}
 
 
-@attrs.frozen
-class HParams:
-    """The hyperparameters a DeepSeek V4 GGUF records, normalised from either config.json flavour."""
-
-    n_layers: int
-    hidden: int
-    vocab: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    rope_dim: int
-    q_lora: int
-    o_lora: int
-    o_groups: int
-    experts: int
-    experts_used: int
-    expert_ffn: int
-    shared_experts: int
-    hash_layers: int
-    window: int
-    indexer_heads: int
-    indexer_dim: int
-    indexer_top_k: int
-    hc: int
-    hc_iters: int
-    hc_eps: float
-    layer_kinds: tuple[str, ...]
-    ratios: tuple[int, ...]
-    swiglu_limit: float
-    rope_theta: float
-    compress_rope_theta: float
-    yarn_factor: float
-    yarn_original: int
-    yarn_beta_fast: float
-    yarn_beta_slow: float
-    routed_scale: float
-    norm_topk: bool
-    rms_eps: float
-    context_length: int
-
-
-def hparams_from_config(config: Mapping[str, Any]) -> HParams:
-    """Normalise a DeepSeek V4 ``config.json`` (transformers or official flavour) into :class:`HParams`."""
+def hparams_from_config(config: Mapping[str, Any]) -> DeepSeekV4Config:
+    """Normalise a DeepSeek V4 ``config.json`` dict (transformers or official flavour) into the model's config."""
     model_type = config.get("model_type")
     if model_type not in (None, "deepseek_v4"):
         raise ConversionError(f"config.json declares model_type {model_type!r}; this converter handles deepseek_v4")
@@ -165,130 +126,126 @@ def hparams_from_config(config: Mapping[str, Any]) -> HParams:
     head_dim = int(_field(config, "head_dim"))
     kinds, ratios = _layer_schedule(config, n_layers)
     yarn = _yarn(config)
-    return HParams(
-        n_layers=n_layers, hidden=int(_field(config, "hidden_size")), vocab=int(_field(config, "vocab_size")),
-        heads=int(_field(config, "num_attention_heads")), kv_heads=int(config.get("num_key_value_heads") or 1),
-        head_dim=head_dim, rope_dim=_rope_dimension(config, head_dim), q_lora=int(_field(config, "q_lora_rank")),
-        o_lora=int(_field(config, "o_lora_rank")), o_groups=int(_field(config, "o_groups")),
-        experts=int(_field(config, "n_routed_experts")), experts_used=int(_field(config, "num_experts_per_tok")),
-        expert_ffn=int(_field(config, "moe_intermediate_size")),
-        shared_experts=int(config.get("n_shared_experts") or 1), hash_layers=_hash_layer_count(config, n_layers),
-        window=int(_field(config, "sliding_window")), indexer_heads=int(_field(config, "index_n_heads")),
-        indexer_dim=int(_field(config, "index_head_dim")), indexer_top_k=int(_field(config, "index_topk")),
-        hc=int(_field(config, "hc_mult")), hc_iters=int(_field(config, "hc_sinkhorn_iters")),
-        hc_eps=float(_field(config, "hc_eps")), layer_kinds=tuple(kinds), ratios=tuple(ratios),
-        swiglu_limit=float(_field(config, "swiglu_limit")), rope_theta=float(_field(config, "rope_theta")),
-        compress_rope_theta=float(_field(config, "compress_rope_theta")), yarn_factor=yarn["factor"],
-        yarn_original=yarn["original"], yarn_beta_fast=yarn["beta_fast"], yarn_beta_slow=yarn["beta_slow"],
-        routed_scale=float(_field(config, "routed_scaling_factor")),
-        norm_topk=bool(config.get("norm_topk_prob", True)), rms_eps=float(_field(config, "rms_norm_eps")),
-        context_length=int(_field(config, "max_position_embeddings")),
-    )
+    try:
+        hp = DeepSeekV4Config(
+            vocab_size=int(_field(config, "vocab_size")), hidden_size=int(_field(config, "hidden_size")),
+            num_layers=n_layers, context_length=int(_field(config, "max_position_embeddings")),
+            num_heads=int(_field(config, "num_attention_heads")),
+            num_kv_heads=int(config.get("num_key_value_heads") or 1), head_dim=head_dim, value_dim=head_dim,
+            rope_dim=_rope_dimension(config, head_dim), q_lora_rank=int(_field(config, "q_lora_rank")),
+            o_lora_rank=int(_field(config, "o_lora_rank")), o_groups=int(_field(config, "o_groups")),
+            n_experts=int(_field(config, "n_routed_experts")),
+            n_experts_used=int(_field(config, "num_experts_per_tok")),
+            expert_ffn=int(_field(config, "moe_intermediate_size")),
+            n_shared_experts=int(config.get("n_shared_experts") or 1),
+            n_hash_layers=_hash_layer_count(config, n_layers), sliding_window=int(_field(config, "sliding_window")),
+            index_n_heads=int(_field(config, "index_n_heads")), index_head_dim=int(_field(config, "index_head_dim")),
+            index_topk=int(_field(config, "index_topk")), hc_mult=int(_field(config, "hc_mult")),
+            hc_sinkhorn_iters=int(_field(config, "hc_sinkhorn_iters")), hc_eps=float(_field(config, "hc_eps")),
+            rope_theta=float(_field(config, "rope_theta")),
+            compress_rope_theta=float(_field(config, "compress_rope_theta")), yarn_factor=yarn["factor"],
+            yarn_original_context=yarn["original"], yarn_beta_fast=yarn["beta_fast"],
+            yarn_beta_slow=yarn["beta_slow"], routed_scaling_factor=float(_field(config, "routed_scaling_factor")),
+            expert_weights_norm=bool(config.get("norm_topk_prob", True)),
+            rms_norm_eps=float(_field(config, "rms_norm_eps")), compress_ratios=ratios,
+            swiglu_limits=[float(_field(config, "swiglu_limit"))] * n_layers,
+        )
+    except ModelConfigError as exc:
+        raise ConversionError(f"config.json cannot be represented in a deepseek4 GGUF: {exc}") from None
+    recorded = [hp.layer_kind(layer) for layer in range(n_layers)]
+    if recorded != kinds:
+        raise ConversionError(f"config.json layer kinds {kinds} with compression rates {ratios} would read back as "
+                              f"{recorded}: the GGUF tells CSA layers by the ratio {CSA_RATIO}, so CSA layers need "
+                              f"rate {CSA_RATIO} and HCA layers another rate")
+    return hp
 
 
-U32, F32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
-
-
-def gguf_metadata(hp: HParams) -> list[tuple[str, Any, GGUFValueType, GGUFValueType | None]]:
+def gguf_metadata(hp: DeepSeekV4Config) -> list[tuple[str, Any, GGUFValueType, GGUFValueType | None]]:
     """The ``deepseek4.*`` metadata of spec §12.2 as (key, value, value type, array element type) rows."""
-    a = ARCHITECTURE
-    scalars: list[tuple[str, Any, GGUFValueType]] = [
-        (f"{a}.context_length", hp.context_length, GGUFValueType.UINT64),
-        (f"{a}.block_count", hp.n_layers, U32),
-        (f"{a}.embedding_length", hp.hidden, U32),
-        (f"{a}.vocab_size", hp.vocab, U32),
-        (f"{a}.attention.head_count", hp.heads, U32),
-        (f"{a}.attention.head_count_kv", hp.kv_heads, U32),
-        (f"{a}.attention.key_length", hp.head_dim, U32),
-        (f"{a}.attention.value_length", hp.head_dim, U32),
-        (f"{a}.rope.dimension_count", hp.rope_dim, U32),
-        (f"{a}.attention.q_lora_rank", hp.q_lora, U32),
-        (f"{a}.attention.output_lora_rank", hp.o_lora, U32),
-        (f"{a}.attention.output_group_count", hp.o_groups, U32),
-        (f"{a}.expert_count", hp.experts, U32),
-        (f"{a}.expert_used_count", hp.experts_used, U32),
-        (f"{a}.expert_feed_forward_length", hp.expert_ffn, U32),
-        (f"{a}.expert_shared_count", hp.shared_experts, U32),
-        (f"{a}.hash_layer_count", hp.hash_layers, U32),
-        (f"{a}.attention.sliding_window", hp.window, U32),
-        (f"{a}.attention.indexer.head_count", hp.indexer_heads, U32),
-        (f"{a}.attention.indexer.key_length", hp.indexer_dim, U32),
-        (f"{a}.attention.indexer.top_k", hp.indexer_top_k, U32),
-        (f"{a}.hyper_connection.count", hp.hc, U32),
-        (f"{a}.hyper_connection.sinkhorn_iterations", hp.hc_iters, U32),
-        (f"{a}.hyper_connection.epsilon", hp.hc_eps, F32),
-        (f"{a}.rope.freq_base", hp.rope_theta, F32),
-        (f"{a}.attention.compress_rope_freq_base", hp.compress_rope_theta, F32),
-        (f"{a}.rope.scaling.factor", hp.yarn_factor, F32),
-        (f"{a}.rope.scaling.original_context_length", hp.yarn_original, U32),
-        (f"{a}.rope.scaling.yarn_beta_fast", hp.yarn_beta_fast, F32),
-        (f"{a}.rope.scaling.yarn_beta_slow", hp.yarn_beta_slow, F32),
-        (f"{a}.expert_weights_scale", hp.routed_scale, F32),
-        (f"{a}.expert_weights_norm", hp.norm_topk, GGUFValueType.BOOL),
-        (f"{a}.attention.layer_norm_rms_epsilon", hp.rms_eps, F32),
-    ]
-    rows: list[tuple[str, Any, GGUFValueType, GGUFValueType | None]] = [(k, v, t, None) for k, v, t in scalars]
-    rows.append((f"{a}.attention.compress_ratios", list(hp.ratios), GGUFValueType.ARRAY, U32))
-    rows.append((f"{a}.swiglu_clamp_exp", [hp.swiglu_limit] * hp.n_layers, GGUFValueType.ARRAY, F32))
-    return rows
+    return [(key, value, vtype, sub_type) for key, (value, vtype, sub_type) in hp.to_gguf_metadata().items()]
 
 
 # ---------------------------------------------------------------- tensor names and types (§11, §12.3)
 
 # Type classes: "matrix" -> Q8_0 under q8_0 (F16 when the row length is not a multiple of 32), "half" -> F16 under
 # q8_0, both -> the outtype otherwise; "f32" always F32; "i32" always I32.
-# (GGUF name, transformers name, official name, type class); layer tables hold names inside "[model.]layers.N.".
+# (GGUF name, canonical name = the transformers module name without "model.", type class); layer tables hold
+# the names inside "blk.N." / "layers.N.".
 _GLOBAL_TENSORS = (
-    ("token_embd.weight", "model.embed_tokens.weight", "embed.weight", "half"),
-    ("output.weight", "lm_head.weight", "head.weight", "matrix"),
-    ("output_norm.weight", "model.norm.weight", "norm.weight", "f32"),
-    ("output_hc_fn.weight", "model.hc_head.hc_fn", "hc_head_fn", "half"),
-    ("output_hc_base.weight", "model.hc_head.hc_base", "hc_head_base", "f32"),
-    ("output_hc_scale.weight", "model.hc_head.hc_scale", "hc_head_scale", "f32"),
+    ("token_embd.weight", "embed_tokens.weight", "half"),
+    ("output.weight", "lm_head.weight", "matrix"),
+    ("output_norm.weight", "norm.weight", "f32"),
+    ("output_hc_fn.weight", "hc_head.hc_fn", "half"),
+    ("output_hc_base.weight", "hc_head.hc_base", "f32"),
+    ("output_hc_scale.weight", "hc_head.hc_scale", "f32"),
 )
 _LAYER_TENSORS = (
-    ("hc_attn_fn.weight", "attn_hc.fn", "hc_attn_fn", "half"),
-    ("hc_attn_scale.weight", "attn_hc.scale", "hc_attn_scale", "f32"),
-    ("hc_attn_base.weight", "attn_hc.base", "hc_attn_base", "f32"),
-    ("hc_ffn_fn.weight", "ffn_hc.fn", "hc_ffn_fn", "half"),
-    ("hc_ffn_scale.weight", "ffn_hc.scale", "hc_ffn_scale", "f32"),
-    ("hc_ffn_base.weight", "ffn_hc.base", "hc_ffn_base", "f32"),
-    ("attn_norm.weight", "input_layernorm.weight", "attn_norm.weight", "f32"),
-    ("ffn_norm.weight", "post_attention_layernorm.weight", "ffn_norm.weight", "f32"),
-    ("attn_q_a.weight", "self_attn.q_a_proj.weight", "attn.wq_a.weight", "matrix"),
-    ("attn_q_a_norm.weight", "self_attn.q_a_norm.weight", "attn.q_norm.weight", "f32"),
-    ("attn_q_b.weight", "self_attn.q_b_proj.weight", "attn.wq_b.weight", "matrix"),
-    ("attn_kv.weight", "self_attn.kv_proj.weight", "attn.wkv.weight", "matrix"),
-    ("attn_kv_a_norm.weight", "self_attn.kv_norm.weight", "attn.kv_norm.weight", "f32"),
-    ("attn_sinks.weight", "self_attn.sinks", "attn.attn_sink", "f32"),
-    ("attn_output_a.weight", "self_attn.o_a_proj.weight", "attn.wo_a.weight", "matrix"),
-    ("attn_output_b.weight", "self_attn.o_b_proj.weight", "attn.wo_b.weight", "matrix"),
-    ("ffn_gate_inp.weight", "mlp.gate.weight", "ffn.gate.weight", "half"),
-    ("ffn_gate_shexp.weight", "mlp.shared_experts.gate_proj.weight", "ffn.shared_experts.w1.weight", "matrix"),
-    ("ffn_up_shexp.weight", "mlp.shared_experts.up_proj.weight", "ffn.shared_experts.w3.weight", "matrix"),
-    ("ffn_down_shexp.weight", "mlp.shared_experts.down_proj.weight", "ffn.shared_experts.w2.weight", "matrix"),
+    ("hc_attn_fn.weight", "attn_hc.fn", "half"),
+    ("hc_attn_scale.weight", "attn_hc.scale", "f32"),
+    ("hc_attn_base.weight", "attn_hc.base", "f32"),
+    ("hc_ffn_fn.weight", "ffn_hc.fn", "half"),
+    ("hc_ffn_scale.weight", "ffn_hc.scale", "f32"),
+    ("hc_ffn_base.weight", "ffn_hc.base", "f32"),
+    ("attn_norm.weight", "input_layernorm.weight", "f32"),
+    ("ffn_norm.weight", "post_attention_layernorm.weight", "f32"),
+    ("attn_q_a.weight", "self_attn.q_a_proj.weight", "matrix"),
+    ("attn_q_a_norm.weight", "self_attn.q_a_norm.weight", "f32"),
+    ("attn_q_b.weight", "self_attn.q_b_proj.weight", "matrix"),
+    ("attn_kv.weight", "self_attn.kv_proj.weight", "matrix"),
+    ("attn_kv_a_norm.weight", "self_attn.kv_norm.weight", "f32"),
+    ("attn_sinks.weight", "self_attn.sinks", "f32"),
+    ("attn_output_a.weight", "self_attn.o_a_proj.weight", "matrix"),
+    ("attn_output_b.weight", "self_attn.o_b_proj.weight", "matrix"),
+    ("ffn_gate_inp.weight", "mlp.gate.weight", "half"),
+    ("ffn_gate_shexp.weight", "mlp.shared_experts.gate_proj.weight", "matrix"),
+    ("ffn_up_shexp.weight", "mlp.shared_experts.up_proj.weight", "matrix"),
+    ("ffn_down_shexp.weight", "mlp.shared_experts.down_proj.weight", "matrix"),
 )
 _COMPRESSOR_TENSORS = (
-    ("attn_compressor_ape.weight", "self_attn.compressor.position_bias", "attn.compressor.ape", "half"),
-    ("attn_compressor_kv.weight", "self_attn.compressor.kv_proj.weight", "attn.compressor.wkv.weight", "half"),
-    ("attn_compressor_gate.weight", "self_attn.compressor.gate_proj.weight", "attn.compressor.wgate.weight", "half"),
-    ("attn_compressor_norm.weight", "self_attn.compressor.kv_norm.weight", "attn.compressor.norm.weight", "f32"),
+    ("attn_compressor_ape.weight", "self_attn.compressor.position_bias", "half"),
+    ("attn_compressor_kv.weight", "self_attn.compressor.kv_proj.weight", "half"),
+    ("attn_compressor_gate.weight", "self_attn.compressor.gate_proj.weight", "half"),
+    ("attn_compressor_norm.weight", "self_attn.compressor.kv_norm.weight", "f32"),
 )
-_INDEXER = "self_attn.compressor.indexer."
 _INDEXER_TENSORS = (
-    ("indexer.attn_q_b.weight", _INDEXER + "q_b_proj.weight", "attn.indexer.wq_b.weight", "half"),
-    ("indexer.proj.weight", _INDEXER + "scorer.weights_proj.weight", "attn.indexer.weights_proj.weight", "half"),
-    ("indexer_compressor_ape.weight", _INDEXER + "position_bias", "attn.indexer.compressor.ape", "half"),
-    ("indexer_compressor_kv.weight", _INDEXER + "kv_proj.weight", "attn.indexer.compressor.wkv.weight", "half"),
-    ("indexer_compressor_gate.weight", _INDEXER + "gate_proj.weight", "attn.indexer.compressor.wgate.weight",
-     "half"),
-    ("indexer_compressor_norm.weight", _INDEXER + "kv_norm.weight", "attn.indexer.compressor.norm.weight", "f32"),
+    ("indexer.attn_q_b.weight", "self_attn.compressor.indexer.q_b_proj.weight", "half"),
+    ("indexer.proj.weight", "self_attn.compressor.indexer.scorer.weights_proj.weight", "half"),
+    ("indexer_compressor_ape.weight", "self_attn.compressor.indexer.position_bias", "half"),
+    ("indexer_compressor_kv.weight", "self_attn.compressor.indexer.kv_proj.weight", "half"),
+    ("indexer_compressor_gate.weight", "self_attn.compressor.indexer.gate_proj.weight", "half"),
+    ("indexer_compressor_norm.weight", "self_attn.compressor.indexer.kv_norm.weight", "f32"),
 )
-_HASH_TENSORS = (("ffn_gate_tid2eid.weight", "mlp.gate.tid2eid", "ffn.gate.tid2eid", "i32"),)
-_BIAS_TENSORS = (("exp_probs_b.bias", "mlp.gate.e_score_correction_bias", "ffn.gate.bias", "f32"),)
-# Routed experts: (GGUF name, official per-expert name, slice of the transformers stacked tensor).
+_HASH_TENSORS = (("ffn_gate_tid2eid.weight", "mlp.gate.tid2eid", "i32"),)
+_BIAS_TENSORS = (("exp_probs_b.bias", "mlp.gate.e_score_correction_bias", "f32"),)
+# Routed experts: (GGUF name, official per-expert weight, part of the transformers stacked tensor).
 _EXPERT_TENSORS = (("ffn_gate_exps.weight", "w1", "gate"), ("ffn_up_exps.weight", "w3", "up"),
                    ("ffn_down_exps.weight", "w2", "down"))
+
+# Official DeepSeek names -> transformers module names (spec §11), applied in order after dropping "model.".
+# transformers' save_pretrained writes these official names back (keeping "model."), so both layouts meet here.
+_RENAMES = tuple((re.compile(pattern), replacement) for pattern, replacement in (
+    (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.indexer\.compressor\.", ".compressor.indexer."),
+    (r"^embed\.weight$", "embed_tokens.weight"), (r"^head\.weight$", "lm_head.weight"),
+    (r"^hc_head_(fn|base|scale)$", r"hc_head.hc_\1"), (r"\.attn_norm\.", ".input_layernorm."),
+    (r"\.ffn_norm\.", ".post_attention_layernorm."), (r"\.hc_attn_(fn|base|scale)$", r".attn_hc.\1"),
+    (r"\.hc_ffn_(fn|base|scale)$", r".ffn_hc.\1"), (r"\.attn_sink$", ".sinks"),
+    (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
+    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."), (r"\.norm\.", ".kv_norm."),
+    (r"\.ape$", ".position_bias"), (r"\.wq_a\.", ".q_a_proj."), (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."),
+    (r"\.wkv\.", ".kv_proj."), (r"\.wgate\.", ".gate_proj."), (r"\.wo_a\.", ".o_a_proj."),
+    (r"\.wo_b\.", ".o_b_proj."), (r"\.q_norm\.", ".q_a_norm."), (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
+    (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
+))
+
+
+def canonical_name(name: str) -> str:
+    """The transformers module name (without ``model.``) of a tensor in either checkpoint layout."""
+    name = name.removeprefix("model.")
+    for pattern, replacement in _RENAMES:
+        name = pattern.sub(replacement, name)
+    return name
 
 
 def _tensor_type(type_class: str, outtype: str, row_length: int) -> GGMLQuantizationType:
@@ -500,118 +457,115 @@ def _row_chunks(source: TensorSource, name: str) -> Callable[[], Iterator[np.nda
     return chunks
 
 
-def _detect_layout(names: set[str]) -> str:
-    if "model.embed_tokens.weight" in names:
-        return "transformers"
-    if "embed.weight" in names:
-        return "official"
-    raise ConversionError("cannot tell the checkpoint layout: neither model.embed_tokens.weight (transformers) nor "
-                          "embed.weight (official DeepSeek) is present; is this a DeepSeek V4 checkpoint?")
-
-
-def _expected_shape(hp: HParams, gguf_name: str, kind: str) -> tuple[int, ...] | None:
+def _expected_shape(hp: DeepSeekV4Config, canonical: str, kind: str) -> tuple[int, ...] | None:
     """Numpy-order shape a tensor must have, for the tensors whose shape the config fixes (None: not checked)."""
-    d, h, hd = hp.hidden, hp.heads, hp.head_dim
+    d, h, hd, v, q, g = hp.hidden_size, hp.num_heads, hp.head_dim, hp.vocab_size, hp.q_lora_rank, hp.o_groups
     coff = 2 if kind == "csa" else 1
     shapes = {
-        "token_embd.weight": (hp.vocab, d), "output.weight": (hp.vocab, d),
-        "attn_q_a.weight": (hp.q_lora, d), "attn_q_b.weight": (h * hd, hp.q_lora), "attn_kv.weight": (hd, d),
-        "attn_output_a.weight": (hp.o_groups * hp.o_lora, h * hd // hp.o_groups),
-        "attn_output_b.weight": (d, hp.o_groups * hp.o_lora), "ffn_gate_inp.weight": (hp.experts, d),
-        "attn_compressor_kv.weight": (coff * hd, d), "ffn_gate_tid2eid.weight": (hp.vocab, hp.experts_used),
-        "indexer.attn_q_b.weight": (hp.indexer_heads * hp.indexer_dim, hp.q_lora),
+        "embed_tokens.weight": (v, d), "lm_head.weight": (v, d),
+        "self_attn.q_a_proj.weight": (q, d), "self_attn.q_b_proj.weight": (h * hd, q),
+        "self_attn.kv_proj.weight": (hd, d), "self_attn.o_a_proj.weight": (g * hp.o_lora_rank, h * hd // g),
+        "self_attn.o_b_proj.weight": (d, g * hp.o_lora_rank), "mlp.gate.weight": (hp.n_experts, d),
+        "self_attn.compressor.kv_proj.weight": (coff * hd, d), "mlp.gate.tid2eid": (v, hp.n_experts_used),
+        "self_attn.compressor.indexer.q_b_proj.weight": (hp.index_n_heads * hp.index_head_dim, q),
     }
-    return shapes.get(gguf_name.split(".", 2)[-1] if gguf_name.startswith("blk.") else gguf_name)
+    return shapes.get(re.sub(r"^layers\.\d+\.", "", canonical))
 
 
-def plan_tensors(hp: HParams, source: TensorSource, outtype: str) -> list[PlannedTensor]:
-    """Map every source tensor to its GGUF tensor (spec §12.3); refuse missing and unknown tensors."""
-    names = source.names()
-    official = _detect_layout(names) == "official"
+def plan_tensors(hp: DeepSeekV4Config, source: TensorSource, outtype: str) -> list[PlannedTensor]:
+    """Map every source tensor to its GGUF tensor (spec §12.3); refuse missing, duplicate and unknown tensors."""
+    by_canonical: dict[str, str] = {}
+    for name in sorted(source.names()):
+        if name.startswith("mtp."):  # the MTP block goes into a separate GGUF
+            continue
+        canonical = canonical_name(name)
+        if canonical in by_canonical:
+            raise ConversionError(f"tensors {by_canonical[canonical]!r} and {name!r} are the same weight under two "
+                                  "names; remove the stray shard")
+        by_canonical[canonical] = name
     used: set[str] = set()
     plan: list[PlannedTensor] = []
 
-    def source_name(hf_name: str, official_name: str, layer: int | None) -> str:
-        local = official_name if official else hf_name
-        if layer is None:
-            return local
-        return f"layers.{layer}.{local}" if official else f"model.layers.{layer}.{local}"
-
-    def add(table: tuple, layer: int | None, kind: str, optional: bool = False) -> None:
-        for gguf_name, hf_name, official_name, type_class in table:
-            name = source_name(hf_name, official_name, layer)
-            if name not in names:
+    def add(table: tuple, layer: int | None = None, kind: str = "", optional: bool = False) -> None:
+        for gguf_name, local, type_class in table:
+            canonical = f"layers.{layer}.{local}" if layer is not None else local
+            if canonical not in by_canonical:
                 if optional:
                     continue
-                raise ConversionError(f"the checkpoint has no tensor {name!r}, which layer type "
-                                      f"{kind or 'global'} needs; the download is incomplete or the config.json "
-                                      "does not match the weights")
+                where = f"layer {layer} ({kind})" if layer is not None else "every model"
+                raise ConversionError(f"the checkpoint has no tensor {canonical!r} (transformers naming), which "
+                                      f"{where} needs; the download is incomplete or config.json does not match "
+                                      "the weights")
+            name = by_canonical[canonical]
             shape = source.shape(name)
-            full_name = f"blk.{layer}.{gguf_name}" if layer is not None else gguf_name
-            expected = _expected_shape(hp, full_name, kind)
+            expected = _expected_shape(hp, canonical, kind)
             if expected is not None and shape != expected:
                 raise ConversionError(f"tensor {name!r} has shape {shape}, but config.json implies {expected}")
-            used.add(name)
-            plan.append(PlannedTensor(full_name, shape or (1,), _tensor_type(type_class, outtype, shape[-1] if shape
-                                                                               else 1), _row_chunks(source, name)))
+            used.add(canonical)
+            full_name = f"blk.{layer}.{gguf_name}" if layer is not None else gguf_name
+            qtype = _tensor_type(type_class, outtype, shape[-1] if shape else 1)
+            plan.append(PlannedTensor(full_name, shape or (1,), qtype, _row_chunks(source, name)))
 
-    add(_GLOBAL_TENSORS[:1], None, "")
-    for layer, kind in enumerate(hp.layer_kinds):
+    add(_GLOBAL_TENSORS[:1])
+    for layer in range(hp.num_layers):
+        kind = hp.layer_kind(layer)
         add(_LAYER_TENSORS, layer, kind)
         if kind != "sliding":
             add(_COMPRESSOR_TENSORS, layer, kind)
         if kind == "csa":
             add(_INDEXER_TENSORS, layer, kind)
-        if layer < hp.hash_layers:
-            add(_HASH_TENSORS, layer, "hash MoE")
+        if hp.is_hash_layer(layer):
+            add(_HASH_TENSORS, layer, "hash-routed")
         else:
             add(_BIAS_TENSORS, layer, kind, optional=True)
-        plan.extend(_plan_experts(hp, source, layer, official, used, outtype))
-    add(_GLOBAL_TENSORS[1:], None, "")
+        plan.extend(_plan_experts(hp, source, by_canonical, layer, used, outtype))
+    add(_GLOBAL_TENSORS[1:])
 
-    unknown = sorted(n for n in names - used if not n.startswith("mtp."))
+    unknown = sorted(by_canonical[c] for c in set(by_canonical) - used)
     if unknown:
         shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
         raise ConversionError(f"the checkpoint holds tensors this converter does not know: {shown}; it may be a "
-                              "different model or a newer DeepSeek V4 variant")
+                              "different model, a newer DeepSeek V4 variant, or config.json may not match it")
     return plan
 
 
-def _plan_experts(hp: HParams, source: TensorSource, layer: int, official: bool, used: set[str],
+def _plan_experts(hp: DeepSeekV4Config, source: TensorSource, by_canonical: dict[str, str], layer: int, used: set[str],
                   outtype: str) -> list[PlannedTensor]:
-    """Routed experts of one layer as three [E, rows, cols] tensors (gate, up, down)."""
-    names = source.names()
-    i, d, e = hp.expert_ffn, hp.hidden, hp.experts
+    """Routed experts of one layer as three [E, rows, cols] tensors (gate, up, down), from per-expert
+    ``experts.E.w{1,2,3}`` (official layout) or stacked ``gate_up_proj``/``down_proj`` (transformers modules)."""
+    i, d, e = hp.expert_ffn, hp.hidden_size, hp.n_experts
     shapes = {"gate": (i, d), "up": (i, d), "down": (d, i)}
+    prefix = f"layers.{layer}.mlp.experts."
+    stacked = {"gate_up_proj": (e, 2 * i, d), "down_proj": (e, d, i)}
     planned = []
     for gguf_name, w, part in _EXPERT_TENSORS:
-        if official:
-            members = [f"layers.{layer}.ffn.experts.{x}.{w}.weight" for x in range(e)]
-            missing = [m for m in members if m not in names]
-            if missing:
-                raise ConversionError(f"the checkpoint lacks routed expert tensor {missing[0]!r}; the download is "
-                                      "incomplete or n_routed_experts in config.json is wrong")
-            for m in members:
-                if source.shape(m) != shapes[part]:
-                    raise ConversionError(f"tensor {m!r} has shape {source.shape(m)}, expected {shapes[part]}")
-            used.update(members)
-            chunks = _official_expert_chunks(source, members)
+        stacked_name = prefix + ("down_proj" if part == "down" else "gate_up_proj")
+        if stacked_name in by_canonical:
+            name = by_canonical[stacked_name]
+            if source.shape(name) != stacked[stacked_name.rsplit(".", 1)[1]]:
+                raise ConversionError(f"tensor {name!r} has shape {source.shape(name)}, expected "
+                                      f"{stacked[stacked_name.rsplit('.', 1)[1]]}")
+            used.add(stacked_name)
+            chunks = _stacked_expert_chunks(source, name, e, part, i)
         else:
-            stacked = f"model.layers.{layer}.mlp.experts.{'down_proj' if part == 'down' else 'gate_up_proj'}"
-            if stacked not in names:
-                raise ConversionError(f"the checkpoint has no tensor {stacked!r}; the download is incomplete")
-            want = (e, d, i) if part == "down" else (e, 2 * i, d)
-            if source.shape(stacked) != want:
-                raise ConversionError(f"tensor {stacked!r} has shape {source.shape(stacked)}, expected {want}")
-            used.add(stacked)
-            chunks = _stacked_expert_chunks(source, stacked, e, part, i)
+            members = [f"{prefix}{x}.{w}.weight" for x in range(e)]
+            missing = [m for m in members if m not in by_canonical]
+            if missing:
+                raise ConversionError(f"the checkpoint lacks routed expert tensor {missing[0]!r} (and has no stacked "
+                                      f"{stacked_name!r}); the download is incomplete or n_routed_experts is wrong")
+            for member in members:
+                if source.shape(by_canonical[member]) != shapes[part]:
+                    raise ConversionError(f"tensor {by_canonical[member]!r} has shape "
+                                          f"{source.shape(by_canonical[member])}, expected {shapes[part]}")
+            used.update(members)
+            chunks = _expert_chunks(source, [by_canonical[m] for m in members])
         shape = (e, *shapes[part])
         planned.append(PlannedTensor(f"blk.{layer}.{gguf_name}", shape, _tensor_type("matrix", outtype, shape[-1]),
                                      chunks))
     return planned
 
 
-def _official_expert_chunks(source: TensorSource, members: list[str]) -> Callable[[], Iterator[np.ndarray]]:
+def _expert_chunks(source: TensorSource, members: list[str]) -> Callable[[], Iterator[np.ndarray]]:
     def chunks() -> Iterator[np.ndarray]:
         for member in members:
             yield source.rows(member, 0, source.shape(member)[0])
@@ -720,7 +674,7 @@ def build_gguf(source: TensorSource, config: Mapping[str, Any], tokenizer_dir: P
     hp = hparams_from_config(config)
     plan = plan_tensors(hp, source, outtype)
     metadata = [("general.name", name, GGUFValueType.STRING, None), *gguf_metadata(hp),
-                *tokenizer_metadata(tokenizer_dir, hp.vocab)]
+                *tokenizer_metadata(tokenizer_dir, hp.vocab_size)]
     write_gguf(out_path, metadata, plan, progress)
 
 

@@ -9,14 +9,10 @@ from ds4_core.errors import BackendError, ModelConfigError
 
 from .config import DeepSeekV4Config
 from .model import DeepSeekV4Model
+from .opnames import GRAPH_OPS, QAT_OPS
 
 #: Ops the graph calls (checked against the backend before any weight loads).
-REQUIRED_OPS: tuple[str, ...] = (
-    "embed", "linear", "grouped_linear", "rms_norm", "rope", "swiglu", "topk", "sparse_attention",
-    "indexer_scores", "moe_route", "moe_experts", "hc_pre", "hc_post", "hc_head", "softmax_pool",
-)
-#: Extra ops of the ``qat_rounding`` option.
-QAT_OPS: tuple[str, ...] = ("fp8_kv_round", "fp4_hadamard_round")
+REQUIRED_OPS = GRAPH_OPS
 
 #: Model options and their defaults. ``qat_rounding``: simulate the official graph's FP8 KV and
 #: Hadamard+FP4 indexer rounding (spec §10 items 1–2); off = the transformers numerics.

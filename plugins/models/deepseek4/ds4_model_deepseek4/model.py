@@ -22,8 +22,8 @@ from .state import CompressorState, DeepSeekV4State, LayerState, new_state, stat
 # GGML types each kind of tensor may have.
 NORM = ("F32",)
 FLOAT = ("F32", "F16", "BF16")
-MATMUL = FLOAT + ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q2_K")
-EXPERT = MATMUL + ("IQ2_XXS", "MXFP4")
+MATMUL = (*FLOAT, "Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q2_K")
+EXPERT = (*MATMUL, "IQ2_XXS", "MXFP4")
 
 RowHook = Callable[[Any], Any]
 
@@ -122,8 +122,8 @@ class Attention:
         self.attn_kv = w.get(f"{blk}.attn_kv.weight", (hd, D), MATMUL)
         self.attn_kv_a_norm = w.get(f"{blk}.attn_kv_a_norm.weight", (hd,), NORM)
         self.attn_sinks = w.get(f"{blk}.attn_sinks.weight", (H,), NORM)
-        self.attn_output_a = w.get(f"{blk}.attn_output_a.weight", (cfg.o_groups * cfg.o_lora_rank, H * hd // cfg.o_groups),
-                                   MATMUL)
+        G = cfg.o_groups
+        self.attn_output_a = w.get(f"{blk}.attn_output_a.weight", (G * cfg.o_lora_rank, H * hd // G), MATMUL)
         self.attn_output_b = w.get(f"{blk}.attn_output_b.weight", (D, cfg.o_groups * cfg.o_lora_rank), MATMUL)
         self.compressor = self.indexer = None
         if self.kind != "sliding":
@@ -175,10 +175,10 @@ class Attention:
 
 
 class MoE:
-    """Routed SwiGLU experts (bias-corrected top-k, or a fixed token→experts table in hash layers) + one shared expert."""
+    """Routed SwiGLU experts (bias-corrected top-k, or a fixed token→experts table in hash layers) + a shared one."""
 
     def __init__(self, w: WeightLoader, ops: Ops, layer: int, cfg: DeepSeekV4Config):
-        blk, D, E, I = f"blk.{layer}", cfg.hidden_size, cfg.n_experts, cfg.expert_ffn
+        blk, D, E, F = f"blk.{layer}", cfg.hidden_size, cfg.n_experts, cfg.expert_ffn
         self.k, self.scale, self.limit = cfg.n_experts_used, cfg.routed_scaling_factor, cfg.swiglu_limits[layer]
         self.ffn_gate_inp = w.get(f"{blk}.ffn_gate_inp.weight", (E, D), FLOAT)
         self.exp_probs_b = self.ffn_gate_tid2eid = None
@@ -187,12 +187,12 @@ class MoE:
             self.ffn_gate_tid2eid = ops.backend.asarray(table)
         else:
             self.exp_probs_b = w.optional(f"{blk}.exp_probs_b.bias", (E,), NORM)
-        self.ffn_gate_exps = w.get(f"{blk}.ffn_gate_exps.weight", (E, I, D), EXPERT)
-        self.ffn_up_exps = w.get(f"{blk}.ffn_up_exps.weight", (E, I, D), EXPERT)
-        self.ffn_down_exps = w.get(f"{blk}.ffn_down_exps.weight", (E, D, I), EXPERT)
-        self.ffn_gate_shexp = w.get(f"{blk}.ffn_gate_shexp.weight", (I, D), MATMUL)
-        self.ffn_up_shexp = w.get(f"{blk}.ffn_up_shexp.weight", (I, D), MATMUL)
-        self.ffn_down_shexp = w.get(f"{blk}.ffn_down_shexp.weight", (D, I), MATMUL)
+        self.ffn_gate_exps = w.get(f"{blk}.ffn_gate_exps.weight", (E, F, D), EXPERT)
+        self.ffn_up_exps = w.get(f"{blk}.ffn_up_exps.weight", (E, F, D), EXPERT)
+        self.ffn_down_exps = w.get(f"{blk}.ffn_down_exps.weight", (E, D, F), EXPERT)
+        self.ffn_gate_shexp = w.get(f"{blk}.ffn_gate_shexp.weight", (F, D), MATMUL)
+        self.ffn_up_shexp = w.get(f"{blk}.ffn_up_shexp.weight", (F, D), MATMUL)
+        self.ffn_down_shexp = w.get(f"{blk}.ffn_down_shexp.weight", (D, F), MATMUL)
 
     def __call__(self, ops: Ops, x: Any, ids: Any) -> Any:
         """``x [T, D]``, token ids ``[T]`` -> ``[T, D]``."""
@@ -254,7 +254,7 @@ class DeepSeekV4Model:
         return state_nbytes(self.cfg, ctx)
 
     def forward(self, ids: Any, state: DeepSeekV4State) -> Any:
-        """Feed token ids ``[T]`` (T ≥ 1) after ``state.n_tokens`` tokens; return logits ``[T, V]``, advance ``state``."""
+        """Feed ids ``[T]`` (T ≥ 1) after the ``state.n_tokens`` tokens fed so far; return logits ``[T, V]``."""
         ops, xp, cfg = self.ops, self.ops.xp, self.cfg
         T, p0 = len(ids), state.n_tokens
         if T < 1:
@@ -266,7 +266,7 @@ class DeepSeekV4Model:
         pos = xp.arange(p0, p0 + T, dtype=xp.int32)
         x = ops.embed(self.token_embd, ids)
         S = xp.repeat(x[:, None, :], cfg.hc_mult, axis=1)
-        for block, ls in zip(self.blocks, state.layers):
+        for block, ls in zip(self.blocks, state.layers, strict=True):
             S = block(ops, S, ids, pos, ls, p0)
         h = ops.hc_head(S, self.output_hc_fn, self.output_hc_scale, self.output_hc_base, cfg.hc_eps, cfg.rms_norm_eps)
         state.n_tokens = p0 + T

@@ -1,7 +1,7 @@
 """DeepSeek-V4-only ops (numpy references): manifold-constrained hyper-connections and the compressor pool.
 
 ``S [T, n, D]`` is the residual state of ``n`` streams per token. Registered for backend ``"numpy"``
-through ``register_kernels`` (see :data:`DEEPSEEK4_OPS`).
+through ``register_kernels`` (names in :mod:`.opnames`; the QAT roundings come from :mod:`.qat`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,76 @@
+"""The CUDA backend object: weights as raw GGUF blocks in device memory, arrays as CuPy arrays."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ds4_core.backend import Backend, Weight
+from ds4_core.errors import BackendError
+from ds4_core.quants import tensor_nbytes
+
+from .modules import QUANT_TYPES, warm
+
+_INTEGER_TYPES = {"I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64}
+
+
+class CudaBackend(Backend):
+    """One CUDA device through CuPy.
+
+    A float or quantized weight's ``data`` is a ``uint8`` CuPy array ``[rows, row bytes]`` holding the tensor's
+    exact GGUF bytes (rows = product of all but the last dimension); integer tables are CuPy integer arrays.
+    """
+
+    name = "cuda"
+
+    def __init__(self, device: int = 0, **options: Any):
+        try:
+            import cupy
+        except ImportError as exc:
+            raise BackendError("the CUDA backend needs CuPy: pip install cupy-cuda12x (or cupy-cuda13x)") from exc
+        self.xp = cupy
+        self.device = cupy.cuda.Device(device)
+        self.device.use()
+        self.options = options
+        self._peak = 0
+        warm()
+
+    def upload(self, name: str, qtype: str, shape: tuple[int, ...], raw: np.ndarray) -> Weight:
+        cupy = self.xp
+        if qtype in _INTEGER_TYPES:
+            host = np.frombuffer(np.ascontiguousarray(raw).reshape(-1), dtype=_INTEGER_TYPES[qtype])
+            return Weight(name, qtype, shape, cupy.asarray(host.reshape(shape)))
+        if qtype not in QUANT_TYPES:
+            raise BackendError(f"tensor {name}: the CUDA backend cannot hold {qtype} weights; "
+                               f"re-quantize to one of {', '.join(QUANT_TYPES)} or use --backend numpy")
+        nbytes = tensor_nbytes(qtype, shape)
+        host = np.ascontiguousarray(raw).reshape(-1)
+        if host.size != nbytes:
+            raise BackendError(f"tensor {name}: {host.size} bytes for a {qtype} tensor of shape {shape} "
+                               f"that needs {nbytes}; the file is damaged")
+        rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
+        data = cupy.asarray(host.reshape(rows, nbytes // rows))
+        self._note_peak()
+        return Weight(name, qtype, tuple(shape), data)
+
+    def asarray(self, a: Any, dtype: Any = None) -> Any:
+        return self.xp.asarray(a, dtype=dtype)
+
+    def to_numpy(self, a: Any) -> np.ndarray:
+        return self.xp.asnumpy(a)
+
+    def synchronize(self) -> None:
+        self.xp.cuda.get_current_stream().synchronize()
+
+    def _note_peak(self) -> None:
+        self._peak = max(self._peak, self.xp.get_default_memory_pool().used_bytes())
+
+    def memory_info(self) -> dict[str, int]:
+        """Bytes held by CuPy's pool (``used``, ``reserved``), the peak ``used`` seen, and the device's ``free``/``total``."""
+        pool = self.xp.get_default_memory_pool()
+        self._note_peak()
+        free, total = self.xp.cuda.runtime.memGetInfo()
+        return {"used": pool.used_bytes(), "reserved": pool.total_bytes(), "peak": self._peak,
+                "free": free, "total": total}

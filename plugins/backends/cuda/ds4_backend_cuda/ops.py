@@ -1,0 +1,269 @@
+"""The core op vocabulary on CUDA: same signatures as :mod:`ds4_core.ops`, arrays are CuPy float32.
+
+Quantized matrices are read as raw GGUF blocks: up to :data:`GEMV_TOKENS` tokens go through the GEMV
+kernels (one warp per output row); longer inputs dequantize row chunks to float32 and use cuBLAS.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cupy as cp
+import cupyx
+import numpy as np
+
+from ds4_core.backend import Weight
+
+from .modules import quant_kernel
+
+F32 = cp.float32
+#: Tokens per GEMV launch (MAX_TOKENS in quant.cu).
+GEMV_TOKENS = 8
+#: Above this many tokens a linear dequantizes and calls cuBLAS.
+GEMV_MAX_TOKENS = 32
+#: Routed (token, expert) pairs up to which MoE uses the per-pair GEMV kernels (no host synchronisation).
+MOE_PAIR_LIMIT = 64
+#: Elements dequantized per chunk on the matmul path (bounds scratch memory to 256 MiB).
+DEQUANT_CHUNK = 1 << 26
+_ROWS_PER_BLOCK = 4
+_THREADS = 256
+
+
+def _i32(v: int) -> np.int32:
+    return np.int32(v)
+
+
+def _i64(v: int) -> np.int64:
+    return np.int64(v)
+
+
+def _float_rows(raw: Any, qtype: str, ncols: int) -> Any:
+    """Rows of a float-format tensor as float32 with CuPy views (any width)."""
+    if qtype == "F32":
+        return raw.view(cp.float32).reshape(-1, ncols)
+    if qtype == "F16":
+        return raw.view(cp.float16).reshape(-1, ncols).astype(F32)
+    return (raw.view(cp.uint16).reshape(-1, ncols).astype(cp.uint32) << 16).view(F32)
+
+
+def dequantize_rows(raw: Any, qtype: str, ncols: int, rows: Any = None) -> Any:
+    """Rows ``rows`` (int32 ``[n]``, or all) of a raw tensor ``[R, row bytes]`` as float32 ``[n, ncols]``."""
+    if ncols % 8:
+        values = _float_rows(raw, qtype, ncols)
+        return values if rows is None else values[rows]
+    n = raw.shape[0] if rows is None else rows.shape[0]
+    out = cp.empty((n, ncols), dtype=F32)
+    units = n * ncols // _unit(qtype)
+    if units:
+        rows_arg = 0 if rows is None else cp.ascontiguousarray(rows, dtype=cp.int32)
+        quant_kernel("dequant_rows", qtype)(
+            ((units + _THREADS - 1) // _THREADS,), (_THREADS,),
+            (raw, _i64(raw.shape[1]), _i32(ncols), rows_arg, _i32(n), out))
+    return out
+
+
+_UNITS = {"F32": 8, "F16": 8, "BF16": 8, "Q8_0": 32, "Q4_0": 32, "Q4_K": 64, "Q6_K": 16, "Q2_K": 16,
+          "IQ2_XXS": 32, "MXFP4": 32}
+
+
+def _unit(qtype: str) -> int:
+    return _UNITS[qtype]
+
+
+def values(w: Weight) -> Any:
+    """The weight as a float32 CuPy array of its logical shape (a view for F32; small tensors only)."""
+    if w.qtype == "F32":
+        return w.data.view(F32).reshape(w.shape)
+    return dequantize_rows(w.data, w.qtype, w.shape[-1]).reshape(w.shape)
+
+
+def matmul_raw(x: Any, raw: Any, qtype: str, ncols: int) -> Any:
+    """``x [T, ncols] @ W.T`` for raw rows ``W [R, row bytes]`` -> float32 ``[T, R]``."""
+    x = cp.ascontiguousarray(x, dtype=F32)
+    T, nrows = x.shape[0], raw.shape[0]
+    out = cp.empty((T, nrows), dtype=F32)
+    if T == 0 or nrows == 0:
+        return out
+    if ncols % 8 == 0 and T <= GEMV_MAX_TOKENS:
+        kernel = quant_kernel("gemv", qtype)
+        grid = ((nrows + _ROWS_PER_BLOCK - 1) // _ROWS_PER_BLOCK,)
+        for t0 in range(0, T, GEMV_TOKENS):
+            n = min(GEMV_TOKENS, T - t0)
+            kernel(grid, (32 * _ROWS_PER_BLOCK,),
+                   (raw, _i64(raw.shape[1]), _i32(nrows), _i32(ncols), x[t0:t0 + n], _i32(n), out[t0:t0 + n]))
+        return out
+    step = max(1, DEQUANT_CHUNK // ncols)
+    for r0 in range(0, nrows, step):
+        w = dequantize_rows(raw[r0:r0 + step], qtype, ncols)
+        out[:, r0:r0 + step] = x @ w.T
+    return out
+
+
+def embed(w: Weight, ids: Any) -> Any:
+    """Rows ``ids`` (int ``[T]``) of the table ``w`` ``[V, D]`` -> ``[T, D]``."""
+    return dequantize_rows(w.data, w.qtype, w.shape[-1], cp.asarray(ids, dtype=cp.int32).reshape(-1))
+
+
+def linear(x: Any, w: Weight) -> Any:
+    """``x @ w.T``: ``x [..., in]``, ``w [out, in]`` -> ``[..., out]``."""
+    lead = x.shape[:-1]
+    y = matmul_raw(x.reshape(-1, x.shape[-1]), w.data, w.qtype, w.shape[-1])
+    return y.reshape(*lead, w.shape[0])
+
+
+def grouped_linear(x: Any, w: Weight) -> Any:
+    """Block-diagonal projection: ``x [T, G, in]``, ``w [G·out, in]`` -> ``[T, G, out]``."""
+    T, groups, ncols = x.shape
+    rows = w.shape[0] // groups
+    out = cp.empty((T, groups, rows), dtype=F32)
+    for g in range(groups):
+        out[:, g] = matmul_raw(x[:, g], w.data[g * rows:(g + 1) * rows], w.qtype, ncols)
+    return out
+
+
+def rms_norm(x: Any, w: Weight | None, eps: float) -> Any:
+    """``x · rsqrt(mean(x²) + eps) [· w]`` over the last axis."""
+    x = cp.asarray(x, dtype=F32)
+    y = x / cp.sqrt(cp.mean(x * x, axis=-1, keepdims=True) + F32(eps))
+    return y if w is None else y * values(w)
+
+
+def rope(x: Any, positions: Any, inv_freq: Any, inverse: bool = False) -> Any:
+    """Interleaved RoPE on the trailing ``2·len(inv_freq)`` channels of ``x [T, ..., d]``."""
+    half = inv_freq.shape[0]
+    angles = cp.asarray(positions, dtype=F32)[:, None] * cp.asarray(inv_freq, dtype=F32)[None, :]
+    angles = angles.reshape(angles.shape[:1] + (1,) * (x.ndim - 2) + (half,))
+    cos, sin = cp.cos(angles), cp.sin(angles)
+    if inverse:
+        sin = -sin
+    out = cp.array(x, dtype=F32)
+    a, b = x[..., -2 * half::2], x[..., -2 * half + 1::2]
+    out[..., -2 * half::2] = a * cos - b * sin
+    out[..., -2 * half + 1::2] = a * sin + b * cos
+    return out
+
+
+_swiglu_kernel = cp.ElementwiseKernel(
+    "float32 g, float32 u, float32 limit", "float32 out",
+    """
+    float gg = g, uu = u;
+    if (limit > 0) { gg = fminf(gg, limit); uu = fminf(fmaxf(uu, -limit), limit); }
+    out = gg / (1.0f + expf(-gg)) * uu;
+    """,
+    "ds4_swiglu")
+
+
+def swiglu(gate: Any, up: Any, limit: float) -> Any:
+    """``silu(min(gate, L)) · clip(up, -L, L)`` elementwise; ``limit <= 0`` means no clamp."""
+    return _swiglu_kernel(gate.astype(F32, copy=False), up.astype(F32, copy=False), F32(limit))
+
+
+def topk(scores: Any, k: int) -> Any:
+    """Indices ``[T, k]`` (int32) of the ``k`` largest of each row, largest first, ties to the lowest index."""
+    key = F32(0) - cp.asarray(scores, dtype=F32)  # 0 - s also maps -0.0 to +0.0, which a radix sort tells apart
+    return cp.argsort(key, axis=-1)[:, :k].astype(cp.int32)
+
+
+def sparse_attention(q: Any, kv: Any, idx: Any, sinks: Weight | None, scale: float) -> Any:
+    """Multi-query attention of each query ``q [T, H, d]`` over its rows ``idx [T, K]`` of ``kv [N, d]``."""
+    rows = kv[cp.maximum(idx, 0)]
+    logits = cp.einsum("thd,tkd->thk", q, rows) * F32(scale)
+    logits = cp.where((idx >= 0)[:, None, :], logits, -cp.inf)
+    peak = logits.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = values(sinks)[None, :, None]
+        peak = cp.maximum(peak, sink)
+    else:
+        peak = cp.where(cp.isfinite(peak), peak, 0)
+    p = cp.exp(logits - peak)
+    denom = p.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + cp.exp(sink - peak)
+    return cp.einsum("thk,tkd->thd", p / denom, rows).astype(F32, copy=False)
+
+
+def indexer_scores(q: Any, keys: Any, head_weights: Any, scale: float) -> Any:
+    """``s[t, r] = Σ_h head_weights[t, h] · ReLU(q[t, h] · keys[r]) · scale`` -> ``[T, R]``."""
+    dots = cp.maximum(cp.einsum("thd,rd->thr", q, keys), 0)
+    return cp.einsum("th,thr->tr", head_weights, dots) * F32(scale)
+
+
+def moe_route(logits: Any, bias: Weight | None, k: int, routed_scale: float,
+              fixed_idx: Any = None) -> tuple[Any, Any]:
+    """sqrt-softplus router: ``logits [T, E]`` -> (expert ids int32 ``[T, k]``, weights ``[T, k]``)."""
+    logits = cp.asarray(logits, dtype=F32)
+    scores = cp.sqrt(cp.where(logits > 20, logits, cp.log1p(cp.exp(cp.minimum(logits, 20))))).astype(F32)
+    if fixed_idx is None:
+        idx = topk(scores + values(bias) if bias is not None else scores, k)
+    else:
+        idx = cp.asarray(fixed_idx, dtype=cp.int32)
+    w = cp.take_along_axis(scores, idx, axis=-1)
+    w = w / (w.sum(axis=-1, keepdims=True) + F32(1e-20)) * F32(routed_scale)
+    return idx, w.astype(F32)
+
+
+def _expert_gemv(w: Weight, idx: Any, x: Any, x_div: int) -> Any:
+    """``y[p] = W_{idx[p]} @ x[p // x_div]`` for flat pair ids ``idx [P]`` -> ``[P, rows]``."""
+    experts, nrows, ncols = w.shape
+    pairs = idx.shape[0]
+    y = cp.empty((pairs, nrows), dtype=F32)
+    row_bytes = w.data.shape[1]
+    quant_kernel("moe_gemv", w.qtype)(
+        ((nrows + _ROWS_PER_BLOCK - 1) // _ROWS_PER_BLOCK, pairs), (32 * _ROWS_PER_BLOCK,),
+        (w.data, _i64(nrows * row_bytes), _i64(row_bytes), _i32(nrows), _i32(ncols), idx,
+         cp.ascontiguousarray(x, dtype=F32), _i32(x_div), y))
+    return y
+
+
+def moe_experts(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, idx: Any, weights: Any,
+                swiglu_limit: float) -> Any:
+    """``Σ_j weights[t, j] · Expert_{idx[t, j]}(x[t])`` for ``x [T, D]``; reads only the selected experts.
+
+    Few pairs: per-pair GEMVs with the expert ids read on the device. Many (prefill): tokens grouped by
+    expert on the host, each expert's three matrices dequantized once and applied with cuBLAS.
+    """
+    T, D = x.shape
+    k = idx.shape[1]
+    if T * k <= MOE_PAIR_LIMIT or gate_exps.shape[2] % 8 or down_exps.shape[2] % 8:
+        flat = cp.ascontiguousarray(idx.reshape(-1), dtype=cp.int32)
+        h = swiglu(_expert_gemv(gate_exps, flat, x, k), _expert_gemv(up_exps, flat, x, k), swiglu_limit)
+        y = _expert_gemv(down_exps, flat, h, 1).reshape(T, k, D)
+        return cp.einsum("tkd,tk->td", y, cp.asarray(weights, dtype=F32))
+    return _moe_grouped(x, gate_exps, up_exps, down_exps, idx, weights, swiglu_limit)
+
+
+def _expert_matmul(x: Any, w: Weight, e: int) -> Any:
+    rows = w.shape[1]
+    return matmul_raw(x, w.data[e * rows:(e + 1) * rows], w.qtype, w.shape[2])
+
+
+def _moe_grouped(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, idx: Any, weights: Any,
+                 swiglu_limit: float) -> Any:
+    out = cp.zeros(x.shape, dtype=F32)
+    host_idx = cp.asnumpy(idx)
+    weights = cp.asarray(weights, dtype=F32)
+    for e in np.unique(host_idx):
+        if e < 0:
+            continue
+        tok, slot = np.nonzero(host_idx == e)
+        tok_d, slot_d = cp.asarray(tok), cp.asarray(slot)
+        xe = x[tok_d]
+        h = swiglu(_expert_matmul(xe, gate_exps, int(e)), _expert_matmul(xe, up_exps, int(e)), swiglu_limit)
+        y = _expert_matmul(h, down_exps, int(e)) * weights[tok_d, slot_d][:, None]
+        cupyx.scatter_add(out, tok_d, y)
+    return out
+
+
+CUDA_OPS = {
+    "embed": embed,
+    "linear": linear,
+    "grouped_linear": grouped_linear,
+    "rms_norm": rms_norm,
+    "rope": rope,
+    "swiglu": swiglu,
+    "topk": topk,
+    "sparse_attention": sparse_attention,
+    "indexer_scores": indexer_scores,
+    "moe_route": moe_route,
+    "moe_experts": moe_experts,
+}

@@ -1,0 +1,32 @@
+"""GPU test fixtures: every test here that touches the device is marked ``gpu`` and skips cleanly without CuPy or a GPU."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+
+@functools.cache
+def _gpu_reason() -> str | None:
+    from ds4_backend_cuda.probe import probe
+
+    ok, reason = probe()
+    return None if ok else reason
+
+
+@pytest.fixture(scope="session")
+def cuda_backend():
+    """The CUDA backend on device 0 (skips the test when no usable GPU)."""
+    reason = _gpu_reason()
+    if reason is not None:
+        pytest.skip(f"no CUDA backend here: {reason}")
+    from ds4_backend_cuda.backend import CudaBackend
+
+    return CudaBackend()
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(1234)

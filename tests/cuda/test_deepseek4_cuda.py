@@ -1,0 +1,112 @@
+"""Tiny DeepSeek V4 models on the CUDA backend against the numpy reference backend."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ds4_core.backend import Ops, WeightLoader
+from ds4_core.gguf import GGUFFile
+
+pytestmark = pytest.mark.gpu
+
+PROMPT_TOKENS = 90  # past the indexer's top-k (16 rows of 4 tokens) and several HCA windows of 16
+
+
+def _build(directory: Path, outtype: str) -> Path:
+    from ds4_model_deepseek4 import tiny
+    from ds4_model_deepseek4.convert import ArraySource, build_gguf
+
+    path = directory / f"tiny-{outtype}.gguf"
+    config = tiny.tiny_config(tiny.DEFAULT_MODEL_OVERRIDES)
+    scratch = Path(tempfile.mkdtemp(dir=directory))
+    tiny.write_tokenizer_files(scratch, tiny.shipped_tokenizer_json())
+    build_gguf(ArraySource(tiny.random_weights(config, 0)), config, scratch, path, outtype, "tiny")
+    shutil.rmtree(scratch)
+    return path
+
+
+@pytest.fixture(scope="module", params=["q8_0", "bf16"])
+def tiny_gguf(request, tmp_path_factory) -> Path:
+    return _build(tmp_path_factory.mktemp("tiny"), request.param)
+
+
+def _ops(backend) -> Ops:
+    if backend.name == "numpy":
+        from ds4_core.ops import CORE_OPS
+        from ds4_model_deepseek4.ops import DEEPSEEK4_OPS
+    else:
+        from ds4_backend_cuda.deepseek4_ops import DEEPSEEK4_OPS
+        from ds4_backend_cuda.ops import CUDA_OPS as CORE_OPS
+    return Ops(backend, {**CORE_OPS, **DEEPSEEK4_OPS})
+
+
+def _run(path: Path, backend, chunks: list[int], ids: np.ndarray, **options) -> np.ndarray:
+    from ds4_model_deepseek4.loader import load
+
+    gguf = GGUFFile.open(path)
+    try:
+        model = load(gguf, WeightLoader(gguf, backend), _ops(backend), options)
+        state = model.new_state(256)
+        out, start = [], 0
+        for n in chunks:
+            out.append(backend.to_numpy(model.forward(ids[start:start + n], state)))
+            start += n
+        return np.concatenate(out)
+    finally:
+        gguf.close()
+
+
+def _ids(n: int) -> np.ndarray:
+    return np.random.default_rng(7).integers(9, 512, n).astype(np.int32)
+
+
+def _close(got: np.ndarray, want: np.ndarray) -> None:
+    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
+
+
+def test_prefill_matches_numpy(cuda_backend, tiny_gguf):
+    from ds4_core.backends.numpy import NumpyBackend
+
+    ids = _ids(PROMPT_TOKENS)
+    want = _run(tiny_gguf, NumpyBackend(), [PROMPT_TOKENS], ids)
+    got = _run(tiny_gguf, cuda_backend, [PROMPT_TOKENS], ids)
+    _close(got, want)
+    assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.95
+
+
+def test_token_by_token_matches_chunked(cuda_backend, tiny_gguf):
+    ids = _ids(PROMPT_TOKENS)
+    chunked = _run(tiny_gguf, cuda_backend, [50, 7, PROMPT_TOKENS - 57], ids)
+    single = _run(tiny_gguf, cuda_backend, [1] * PROMPT_TOKENS, ids)
+    _close(single, chunked)
+
+
+def test_qat_rounding_runs_on_cuda(cuda_backend, tiny_gguf):
+    from ds4_core.backends.numpy import NumpyBackend
+
+    ids = _ids(80)
+    want = _run(tiny_gguf, NumpyBackend(), [80], ids, qat_rounding=True)
+    got = _run(tiny_gguf, cuda_backend, [80], ids, qat_rounding=True)
+    assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.9
+
+
+def test_engine_runs_on_backend_cuda(cuda_backend, tiny_gguf):
+    from ds4_core.engine import Engine
+    from ds4_core.plugins import get_plugin_manager
+
+    if get_plugin_manager().registry.model_for_architecture("deepseek4") is None:
+        pytest.skip("the deepseek4 model plugin does not load in this checkout")
+    ids = _ids(20)
+    engines = [Engine.load(tiny_gguf, backend=name, ctx=64) for name in ("cuda", "numpy")]
+    try:
+        got, want = (e.new_session().feed(ids) for e in engines)
+        assert engines[0].backend.name == "cuda"
+        _close(got, want)
+    finally:
+        for e in engines:
+            e.close()

@@ -1,0 +1,197 @@
+"""Each CUDA kernel against its numpy reference op on random inputs and random valid quant blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ds4_core import ops as ref
+from ds4_core.backend import Weight
+from ds4_core.quants import block_geometry, dequantize, random_blocks
+
+pytestmark = pytest.mark.gpu
+
+QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q2_K", "IQ2_XXS", "MXFP4")
+
+
+def _raw(qtype: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    qk, _ = block_geometry(qtype)
+    return random_blocks(qtype, int(np.prod(shape)) // qk, rng).reshape(-1)
+
+
+def _pair(backend, qtype: str, shape: tuple[int, ...], rng: np.random.Generator) -> tuple[Weight, Weight]:
+    """(numpy reference weight, CUDA weight) holding the same random blocks."""
+    raw = _raw(qtype, shape, rng)
+    return Weight("w", qtype, shape, dequantize(raw, qtype, shape)), backend.upload("w", qtype, shape, raw)
+
+
+def _bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Float32 summation error scale of ``x @ w.T``: eps · (|x| @ |w|.T) · sqrt(n) with a floor."""
+    return 1e-6 * (np.abs(x) @ np.abs(w).T) * np.sqrt(x.shape[-1]) + 1e-30
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_dequantize_matches_the_numpy_oracle(cuda_backend, qtype, rng):
+    from ds4_backend_cuda.ops import dequantize_rows
+
+    shape = (5, 512)
+    w_ref, w = _pair(cuda_backend, qtype, shape, rng)
+    got = cuda_backend.to_numpy(dequantize_rows(w.data, qtype, shape[1]))
+    scale = np.abs(w_ref.data).max()
+    np.testing.assert_allclose(got, w_ref.data, rtol=1e-6, atol=1e-6 * scale)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("tokens", [1, 5, 8, 20, 40])
+def test_linear_matches_reference(cuda_backend, qtype, tokens, rng):
+    from ds4_backend_cuda import ops
+
+    w_ref, w = _pair(cuda_backend, qtype, (67, 768), rng)
+    x = rng.standard_normal((tokens, 768), dtype=np.float32)
+    got = cuda_backend.to_numpy(ops.linear(cuda_backend.asarray(x), w))
+    want = ref.linear(x, w_ref)
+    assert got.shape == want.shape
+    assert np.all(np.abs(got - want) <= _bound(x, w_ref.data))
+
+
+def test_linear_keeps_leading_axes_and_odd_float_widths(cuda_backend, rng):
+    from ds4_backend_cuda import ops
+
+    w_ref, w = _pair(cuda_backend, "F32", (6, 3), rng)
+    x = rng.standard_normal((2, 4, 3), dtype=np.float32)
+    got = cuda_backend.to_numpy(ops.linear(cuda_backend.asarray(x), w))
+    np.testing.assert_allclose(got, ref.linear(x, w_ref), rtol=1e-5, atol=1e-5)
+
+
+def test_embed_and_grouped_linear(cuda_backend, rng):
+    from ds4_backend_cuda import ops
+
+    table_ref, table = _pair(cuda_backend, "Q8_0", (50, 64), rng)
+    ids = np.array([3, 0, 49, 3], dtype=np.int32)
+    np.testing.assert_allclose(cuda_backend.to_numpy(ops.embed(table, cuda_backend.asarray(ids))),
+                               ref.embed(table_ref, ids), rtol=1e-6)
+    w_ref, w = _pair(cuda_backend, "Q8_0", (4 * 24, 64), rng)
+    x = rng.standard_normal((3, 4, 64), dtype=np.float32)
+    got = cuda_backend.to_numpy(ops.grouped_linear(cuda_backend.asarray(x), w))
+    np.testing.assert_allclose(got, ref.grouped_linear(x, w_ref), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("gate_type,down_type", [("IQ2_XXS", "Q2_K"), ("Q4_K", "Q4_K"), ("MXFP4", "Q8_0"),
+                                                 ("F16", "BF16")])
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_moe_experts_reads_selected_experts(cuda_backend, gate_type, down_type, tokens, rng):
+    from ds4_backend_cuda import ops
+
+    E, I, D, k = 8, 256, 512, 3
+    g_ref, g = _pair(cuda_backend, gate_type, (E, I, D), rng)
+    u_ref, u = _pair(cuda_backend, gate_type, (E, I, D), rng)
+    d_ref, d = _pair(cuda_backend, down_type, (E, D, I), rng)
+    x = rng.standard_normal((tokens, D), dtype=np.float32)
+    idx = np.stack([rng.permutation(E)[:k] for _ in range(tokens)]).astype(np.int32)
+    weights = rng.uniform(0.1, 1.0, (tokens, k)).astype(np.float32)
+    want = ref.moe_experts(x, g_ref, u_ref, d_ref, idx, weights, 0.8)
+    got = cuda_backend.to_numpy(ops.moe_experts(cuda_backend.asarray(x), g, u, d, cuda_backend.asarray(idx),
+                                                cuda_backend.asarray(weights), 0.8))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_elementwise_and_norm_ops(cuda_backend, rng):
+    from ds4_backend_cuda import ops
+
+    xp = cuda_backend.asarray
+    x = rng.standard_normal((5, 3, 64), dtype=np.float32) * 3
+    norm_ref, norm = _pair(cuda_backend, "F32", (64,), rng)
+    np.testing.assert_allclose(cuda_backend.to_numpy(ops.rms_norm(xp(x), norm, 1e-6)),
+                               ref.rms_norm(x, norm_ref, 1e-6), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(cuda_backend.to_numpy(ops.rms_norm(xp(x), None, 1e-6)),
+                               ref.rms_norm(x, None, 1e-6), rtol=1e-5, atol=1e-6)
+    pos = np.array([0, 1, 7, 100, 5000], dtype=np.int32)
+    inv = (1.0 / 10000 ** (np.arange(8) / 8)).astype(np.float32)
+    for inverse in (False, True):
+        np.testing.assert_allclose(cuda_backend.to_numpy(ops.rope(xp(x), xp(pos), xp(inv), inverse)),
+                                   ref.rope(x, pos, inv, inverse), rtol=1e-4, atol=1e-4)
+    gate, up = x[0] * 4, x[1] * 4
+    for limit in (0.0, 2.5):
+        np.testing.assert_allclose(cuda_backend.to_numpy(ops.swiglu(xp(gate), xp(up), limit)),
+                                   ref.swiglu(gate, up, limit), rtol=1e-5, atol=1e-6)
+
+
+def test_topk_orders_ties_like_numpy(cuda_backend, rng):
+    from ds4_backend_cuda import ops
+
+    scores = rng.integers(-3, 4, (6, 40)).astype(np.float32)
+    scores[0, :5] = -0.0
+    scores[1, -3:] = -np.inf
+    got = cuda_backend.to_numpy(ops.topk(cuda_backend.asarray(scores), 7))
+    np.testing.assert_array_equal(got, ref.topk(scores, 7))
+
+
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_sparse_attention_and_indexer(cuda_backend, with_sinks, rng):
+    from ds4_backend_cuda import ops
+
+    T, H, d, N, K = 4, 3, 32, 20, 6
+    q = rng.standard_normal((T, H, d), dtype=np.float32)
+    kv = rng.standard_normal((N, d), dtype=np.float32)
+    idx = rng.integers(-1, N, (T, K)).astype(np.int32)
+    idx[0] = -1  # a query that sees nothing
+    sinks_ref, sinks = _pair(cuda_backend, "F32", (H,), rng) if with_sinks else (None, None)
+    xp = cuda_backend.asarray
+    got = cuda_backend.to_numpy(ops.sparse_attention(xp(q), xp(kv), xp(idx), sinks, d ** -0.5))
+    np.testing.assert_allclose(got, ref.sparse_attention(q, kv, idx, sinks_ref, d ** -0.5), rtol=1e-4, atol=1e-5)
+    hw = rng.standard_normal((T, H), dtype=np.float32)
+    got = cuda_backend.to_numpy(ops.indexer_scores(xp(q), xp(kv), xp(hw), 0.3))
+    np.testing.assert_allclose(got, ref.indexer_scores(q, kv, hw, 0.3), rtol=1e-4, atol=1e-4)
+
+
+def test_moe_route(cuda_backend, rng):
+    from ds4_backend_cuda import ops
+
+    logits = rng.standard_normal((5, 16), dtype=np.float32) * 4
+    bias_ref, bias = _pair(cuda_backend, "F32", (16,), rng)
+    xp = cuda_backend.asarray
+    for b_ref, b, fixed in ((bias_ref, bias, None), (None, None, rng.integers(0, 16, (5, 4)).astype(np.int32))):
+        idx, w = ops.moe_route(xp(logits), b, 4, 1.5, None if fixed is None else xp(fixed))
+        want_idx, want_w = ref.moe_route(logits, b_ref, 4, 1.5, fixed)
+        np.testing.assert_array_equal(cuda_backend.to_numpy(idx), want_idx)
+        np.testing.assert_allclose(cuda_backend.to_numpy(w), want_w, rtol=1e-5)
+
+
+def test_deepseek4_ops(cuda_backend, rng):
+    from ds4_backend_cuda import deepseek4_ops as cu
+    from ds4_model_deepseek4 import ops as dref
+
+    xp, host = cuda_backend.asarray, cuda_backend.to_numpy
+    T, n, D = 3, 4, 64
+    S = rng.standard_normal((T, n, D), dtype=np.float32)
+    fn_ref, fn = _pair(cuda_backend, "F16", ((2 + n) * n, n * D), rng)
+    sc_ref, sc = _pair(cuda_backend, "F32", (3,), rng)
+    base_ref, base = _pair(cuda_backend, "F32", ((2 + n) * n,), rng)
+    got = cu.hc_pre(xp(S), fn, sc, base, 20, 1e-6, 1e-6)
+    want = dref.hc_pre(S, fn_ref, sc_ref, base_ref, 20, 1e-6, 1e-6)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(host(g), w, rtol=1e-4, atol=1e-5)
+    y = rng.standard_normal((T, D), dtype=np.float32)
+    np.testing.assert_allclose(host(cu.hc_post(xp(S), xp(y), got[1], got[2])),
+                               dref.hc_post(S, y, want[1], want[2]), rtol=1e-4, atol=1e-5)
+    hfn_ref, hfn = _pair(cuda_backend, "F16", (n, n * D), rng)
+    hs_ref, hs = _pair(cuda_backend, "F32", (1,), rng)
+    hb_ref, hb = _pair(cuda_backend, "F32", (n,), rng)
+    np.testing.assert_allclose(host(cu.hc_head(xp(S), hfn, hs, hb, 1e-6, 1e-6)),
+                               dref.hc_head(S, hfn_ref, hs_ref, hb_ref, 1e-6, 1e-6), rtol=1e-4, atol=1e-5)
+    kv = rng.standard_normal((2, 8, 16), dtype=np.float32)
+    gate = rng.standard_normal((2, 8, 16), dtype=np.float32)
+    gate[0, :4] = -np.inf
+    np.testing.assert_allclose(host(cu.softmax_pool(xp(kv), xp(gate))), dref.softmax_pool(kv, gate),
+                               rtol=1e-5, atol=1e-6)
+    rows = rng.standard_normal((5, 96), dtype=np.float32) * 3
+    np.testing.assert_allclose(host(cu.fp8_kv_round(xp(rows), 32)), dref.fp8_kv_round(rows, 32), rtol=1e-6)
+    np.testing.assert_allclose(host(cu.fp4_hadamard_round(xp(rows[:, :64]))), dref.fp4_hadamard_round(rows[:, :64]),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_upload_keeps_raw_blocks(cuda_backend, rng):
+    raw = _raw("IQ2_XXS", (4, 32, 256), rng)
+    w = cuda_backend.upload("experts", "IQ2_XXS", (4, 32, 256), raw)
+    assert w.data.nbytes == raw.nbytes
+    np.testing.assert_array_equal(cuda_backend.to_numpy(w.data).reshape(-1), raw)
