@@ -54,7 +54,10 @@ def byte_level_decode(token: str) -> bytes:
 
 
 class Tokenizer:
-    """Byte-level BPE tokenizer of one model. Build with :meth:`from_metadata`."""
+    """Byte-level BPE tokenizer of one model. Build with :meth:`from_metadata`.
+
+    ``special_ids`` maps GGUF names (``bos``, ``eos``, ``padding``, ``eot``...) to the ids the metadata declares.
+    """
 
     def __init__(self, tokens: list[str], token_types: list[int], merges: list[str], pre: PreTokenizer,
                  special_ids: Mapping[str, int]):
@@ -66,11 +69,10 @@ class Tokenizer:
         self.eos_id: int | None = special_ids.get("eos")
         self.pad_id: int | None = special_ids.get("padding")
         self.special_ids = dict(special_ids)
-        self._id_of: dict[str, int] = {}
-        for i in range(len(tokens) - 1, -1, -1):  # first occurrence wins
-            self._id_of[tokens[i]] = i
+        by_id = list(enumerate(tokens))[::-1]  # reversed so that the first of duplicate strings wins
+        self._id_of = {t: i for i, t in by_id}
+        self._bpe_ids = {t: i for i, t in by_id if token_types[i] in (TOKEN_UNDEFINED, TOKEN_NORMAL)}
         self._bytes: list[bytes | None] = [None] * len(tokens)
-        self._bpe_ids = {t: i for i, t in reversed(list(enumerate(tokens))) if token_types[i] in (0, 1)}
         self._byte_ids = self._find_byte_ids()
         self._merges = self._build_merges(merges)
         self._cache: dict[str, list[int]] = {}
