@@ -15,7 +15,7 @@ from ds4_core.testing.gguf_files import write_gguf
 from ds4_core.tokenizer import BYTE_TO_CHAR
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "examples" / "bigram_plugin"))
-from ds4_bigram import plugin as bigram_plugin  # noqa: E402
+from ds4_bigram import plugin as bigram_plugin
 
 V, D = 257, 32  # the byte alphabet plus one merged token
 
@@ -41,12 +41,12 @@ def test_example_plugin_runs_and_matches_its_definition(tmp_path):
 
 
 def test_example_plugin_rejects_a_wrong_shape(tmp_path):
-    with pytest.raises(GGUFTensorError, match="output.weight"):
+    with pytest.raises(GGUFTensorError, match=r"output\.weight"):
         Engine.load(bigram_file(tmp_path, output_shape=(V, D + 1)), plugins=[bigram_plugin], load_entrypoints=False)
 
 
 def test_unknown_architecture_names_the_missing_plugin(tmp_path):
     from ds4_core.errors import ModelConfigError
 
-    with pytest.raises(ModelConfigError, match="bigram.*install"):
+    with pytest.raises(ModelConfigError, match=r"bigram.*install"):
         Engine.load(bigram_file(tmp_path), load_entrypoints=False)
