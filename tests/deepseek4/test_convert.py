@@ -251,7 +251,7 @@ def test_q8_0_tensors_dequantize_close_to_the_transformers_weights(tiny_hf, conv
             continue
         got = dequantize(tensor.data, tensor.tensor_type).reshape(want.shape)
         if tensor.tensor_type.name == "Q8_0":
-            assert np.abs(got - want).max() <= np.abs(want).max() / 127, tensor.name  # half a step, f16 scale
+            assert np.abs(got - want).max() <= np.abs(want).max() / 127, tensor.name  # one step: d = amax/127 in f16
         else:
             np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-6, err_msg=tensor.name)
 

@@ -218,7 +218,7 @@ async def _stream(events: AsyncIterator[Any], mid: str, model: str, n_prompt: in
                 out.append(sse({"type": "message_stop"}, "message_stop"))
             for chunk in out:
                 yield chunk
-    except Exception as exc:  # noqa: BLE001 - headers are sent: report as an SSE error event
+    except Exception as exc:  # headers are sent: report as an SSE error event
         yield sse(error_body(path, getattr(exc, "status", 500), str(exc)), "error")
     finally:
         await events.aclose()

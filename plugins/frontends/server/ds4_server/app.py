@@ -154,7 +154,7 @@ def load_into(state: ServerState) -> None:
                                       state.tracer))
         print(f"ds4 serve: model {state.model_name} ({engine.spec.name}) ready, ctx {engine.ctx}, "
               f"{config.slots} slot(s)", file=sys.stderr, flush=True)
-    except Exception as exc:  # noqa: BLE001 - /health reports it and the process exits non-zero
+    except Exception as exc:  # /health reports it and the process exits non-zero
         state.load_error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, Ds4Error) else str(exc)
         print(f"error: {state.load_error}", file=sys.stderr, flush=True)
 

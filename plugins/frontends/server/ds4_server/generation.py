@@ -171,7 +171,7 @@ class SlotPool:
     def _run(self, slot: Slot, req: GenRequest, emit: Callable[[Any], None], cancel: threading.Event) -> None:
         try:
             emit(self._generate(slot, req, emit, cancel))
-        except BaseException as exc:  # noqa: BLE001 - surfaced to the request by the consumer
+        except BaseException as exc:  # surfaced to the request by the consumer
             emit(exc)
 
     def _prefill(self, slot: Slot, prompt: list[int], cancel: threading.Event) -> int:

@@ -162,7 +162,7 @@ class DiskKVStore:
             if not isinstance(snap, Snapshot):
                 raise ValueError("payload is not a session snapshot")
             return snap
-        except Exception as exc:  # noqa: BLE001 - any damaged entry is a miss, never a crash
+        except Exception as exc:  # any damaged entry is a miss, never a crash
             self._drop(entry.path, f"corrupt cache file ({type(exc).__name__}: {exc})")
             return None
 

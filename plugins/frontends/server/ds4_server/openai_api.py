@@ -261,7 +261,7 @@ async def chat_stream(events: AsyncIterator[Any], cid: str, created: int, model:
         yield "data: [DONE]\n\n"
     except ApiError as exc:
         yield sse(error_body(path, exc.status, exc.message))
-    except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
+    except Exception as exc:  # headers are sent: report in-band
         yield sse(error_body(path, 500, f"generation failed: {type(exc).__name__}: {exc}"))
     finally:
         await events.aclose()
@@ -285,7 +285,7 @@ async def completion_stream(events: AsyncIterator[Any], cid: str, created: int, 
                     yield sse({"id": cid, "object": "text_completion", "created": created, "model": model,
                                "choices": [], "usage": usage_json(event)})
         yield "data: [DONE]\n\n"
-    except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
+    except Exception as exc:  # headers are sent: report in-band
         yield sse(error_body(path, getattr(exc, "status", 500), str(exc)))
     finally:
         await events.aclose()

@@ -23,7 +23,8 @@ def _opt(*names: str, env: str, **kwargs) -> Callable:
 @_opt("-m", "--model", env="DS4_MODEL", help="GGUF file or tiny:<family> (default: the embedded tiny model).")
 @_opt("--host", env="DS4_HOST", default="127.0.0.1", help="Address to listen on; 0.0.0.0 exposes the server.")
 @_opt("--port", env="DS4_PORT", type=click.IntRange(0, 65535), default=8000, help="TCP port; 0 picks a free one.")
-@_opt("--ctx", env="DS4_CTX", type=click.IntRange(1), help="Context tokens per session (default: min(model max, 4096)).")
+@_opt("--ctx", env="DS4_CTX", type=click.IntRange(1),
+      help="Context tokens per session (default: model max, at most 4096).")
 @_opt("--backend", env="DS4_BACKEND", default="auto", help="numpy, cuda, metal … or auto.")
 @_opt("--batched-session", "slots", env="DS4_BATCHED_SESSION", type=click.IntRange(1, 256), default=1,
       help="Independent session slots served concurrently.")

@@ -280,7 +280,7 @@ async def _stream(builder: ResponseBuilder, events: AsyncIterator[Any], remember
             else:
                 for chunk in builder.add(event):
                     yield chunk
-    except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
+    except Exception as exc:  # headers are sent: report in-band
         body = error_body(path, getattr(exc, "status", 500), str(exc))["error"]
         yield builder.event("error", code=str(body["code"]), message=body["message"], param=None)
     finally:

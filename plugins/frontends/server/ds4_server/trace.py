@@ -13,7 +13,7 @@ class Tracer:
     """Appends one JSON object per event to ``path``; does nothing when ``path`` is None."""
 
     def __init__(self, path: str | Path | None):
-        self._fh = open(path, "a", encoding="utf-8") if path else None  # noqa: SIM115 - lives as long as the server
+        self._fh = open(path, "a", encoding="utf-8") if path else None  # kept open for the server's lifetime
         self._lock = threading.Lock()
 
     def write(self, event: str, **fields: Any) -> None:

@@ -1,0 +1,241 @@
+"""Train the tiny DeepSeek V4 model on the token streams written by ``prepare.py`` (one GPU, fixed seeds).
+
+The model is a ``transformers.DeepseekV4ForCausalLM`` with all three attention layer types (sliding, CSA, HCA),
+hash-routed and top-k-routed MoE layers and mHC. Hash routing tables are drawn once from the seed (distinct experts
+per token); the top-k routers' selection biases follow DeepSeek's auxiliary-loss-free balancing (after each step,
+nudged up for under-loaded experts and down for over-loaded ones). The MTP block is not trained: transformers
+does not instantiate it.
+
+Writes into ``--out``: ``model/`` (save_pretrained + tokenizer files), ``loss.json`` (per-step training loss,
+periodic held-out loss, final held-out loss) and ``loss.png``.
+
+Run: ``python tools/train_tiny/train.py --data .carry/train_tiny --out OUT [--steps N | --minutes M]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+# The shipped model. Row lengths (the last dimension of every matrix) are multiples of 32 for Q8_0.
+MODEL_CONFIG = {
+    "hidden_size": 256,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "partial_rotary_factor": 0.25,
+    "q_lora_rank": 128,
+    "o_groups": 2,
+    "o_lora_rank": 64,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 128,
+    "index_n_heads": 8,
+    "index_head_dim": 32,
+    "index_topk": 32,
+    "sliding_window": 64,
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+    "layer_types": ["sliding_attention", "sliding_attention", "compressed_sparse_attention",
+                    "heavily_compressed_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+    "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe", "moe", "moe"],
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "rms_norm_eps": 1e-6,
+    "swiglu_limit": 10.0,
+    "routed_scaling_factor": 1.5,
+    "scoring_func": "sqrtsoftplus",
+    "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    "rope_scaling": {"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 256, "beta_fast": 32,
+                     "beta_slow": 1},
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}
+SEQ_LEN = 512
+BATCH = 32
+PEAK_LR = 3e-3
+WARMUP = 100
+BIAS_UPDATE_RATE = 1e-3  # aux-loss-free balancing step (DeepSeek V3 uses 0.001)
+EVAL_EVERY = 200
+EVAL_WINDOWS = 64
+
+
+def build_model(vocab_size: int, seed: int) -> DeepseekV4ForCausalLM:
+    """A freshly initialised model; hash tables hold ``num_experts_per_tok`` distinct experts per token."""
+    config = DeepseekV4Config(vocab_size=vocab_size, **MODEL_CONFIG)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(config)
+    gen = torch.Generator().manual_seed(seed)
+    for layer in model.model.layers:
+        gate = layer.mlp.gate
+        if hasattr(gate, "tid2eid"):
+            rows = [torch.randperm(config.n_routed_experts, generator=gen)[: config.num_experts_per_tok]
+                    for _ in range(vocab_size)]
+            gate.tid2eid.copy_(torch.stack(rows))
+    return model
+
+
+def batches(stream: np.ndarray, batch: int, seq_len: int, rng: np.random.Generator) -> torch.Tensor:
+    """``[batch, seq_len + 1]`` int64 windows starting at uniform random offsets of ``stream``."""
+    starts = rng.integers(0, stream.size - seq_len - 1, size=batch)
+    return torch.from_numpy(np.stack([stream[s:s + seq_len + 1] for s in starts]).astype(np.int64))
+
+
+def heldout_windows(stream: np.ndarray, seq_len: int, limit: int | None = None) -> torch.Tensor:
+    """Non-overlapping ``[n, seq_len + 1]`` windows (consecutive windows share one boundary token)."""
+    n = (stream.size - 1) // seq_len
+    n = n if limit is None else min(n, limit)
+    return torch.from_numpy(np.stack([stream[i * seq_len:(i + 1) * seq_len + 1] for i in range(n)]).astype(np.int64))
+
+
+@torch.no_grad()
+def mean_loss(model: DeepseekV4ForCausalLM, windows: torch.Tensor, device: str, batch: int = 32) -> float:
+    """Mean next-token cross-entropy (nats) over all predicted positions of ``windows`` (float32, no autocast)."""
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(windows), batch):
+        w = windows[i:i + batch].to(device)
+        logits = model(input_ids=w[:, :-1]).logits.float()
+        total += torch.nn.functional.cross_entropy(logits.flatten(0, 1), w[:, 1:].flatten(), reduction="sum").item()
+        count += w[:, 1:].numel()
+    model.train()
+    return total / count
+
+
+class RouterBalancer:
+    """Auxiliary-loss-free load balancing of the top-k routers: counts expert loads through forward hooks."""
+
+    def __init__(self, model: DeepseekV4ForCausalLM):
+        self.loads: dict[torch.nn.Module, torch.Tensor] = {}
+        for layer in model.model.layers:
+            gate = layer.mlp.gate
+            if hasattr(gate, "e_score_correction_bias"):
+                gate.register_forward_hook(self._record)
+
+    def _record(self, module: torch.nn.Module, args: tuple, output: tuple) -> None:
+        if module.training:
+            counts = torch.bincount(output[2].flatten(), minlength=module.num_experts).float()
+            self.loads[module] = self.loads.get(module, 0) + counts
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for module, load in self.loads.items():
+            module.e_score_correction_bias += BIAS_UPDATE_RATE * torch.sign(load.mean() - load)
+        self.loads.clear()
+
+
+def lr_at(step: int, total: int) -> float:
+    """Linear warm-up, then cosine decay to 10% of the peak."""
+    if step < WARMUP:
+        return PEAK_LR * (step + 1) / WARMUP
+    progress = (step - WARMUP) / max(1, total - WARMUP)
+    return PEAK_LR * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+
+def train(data: Path, out: Path, steps: int | None, minutes: float, seed: int, device: str) -> dict:
+    corpus = json.loads((data / "corpus.json").read_text())
+    train_stream = np.load(data / "train.npy")
+    held_stream = np.load(data / "heldout.npy")
+    model = build_model(corpus["vocab_size"], seed).to(device)
+    model.train()
+    balancer = RouterBalancer(model)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=PEAK_LR, betas=(0.9, 0.95), fused=device == "cuda")
+    rng = np.random.default_rng(seed)
+    eval_windows = heldout_windows(held_stream, SEQ_LEN, EVAL_WINDOWS)
+    log: dict = {"seed": seed, "seq_len": SEQ_LEN, "batch": BATCH, "peak_lr": PEAK_LR, "train_loss": [],
+                 "heldout_loss": [], "parameters": sum(p.numel() for p in model.parameters())}
+    total = steps or 10**9
+    t0 = time.time()
+    step = 0
+    while step < total:
+        if steps is None and step == 20:  # calibrate a fixed step count from the first steps' speed
+            total = int(minutes * 60 / ((time.time() - t0) / 20))
+            print(f"calibrated: {total} steps", flush=True)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, total)
+        w = batches(train_stream, BATCH, SEQ_LEN, rng).to(device)
+        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            logits = model(input_ids=w[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), w[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        balancer.step()
+        log["train_loss"].append(round(loss.item(), 4))
+        if step % EVAL_EVERY == 0 or step == total - 1:
+            held = mean_loss(model, eval_windows, device)
+            log["heldout_loss"].append([step, round(held, 4)])
+            print(f"step {step}/{total} train {loss.item():.3f} heldout {held:.3f} "
+                  f"{time.time() - t0:.0f}s", flush=True)
+        step += 1
+    log["steps"] = total
+    log["train_seconds"] = round(time.time() - t0, 1)
+    log["tokens_seen"] = total * BATCH * SEQ_LEN
+    log["final_heldout_loss"] = round(mean_loss(model, heldout_windows(held_stream, SEQ_LEN), device), 4)
+    print(f"final held-out loss {log['final_heldout_loss']:.4f} nats/token", flush=True)
+    model.to("cpu").save_pretrained(out / "model")
+    for name in ("tokenizer.json", "tokenizer_config.json", "corpus.json"):
+        shutil.copy(data / name, out / "model" / name)
+    (out / "loss.json").write_text(json.dumps(log))
+    return log
+
+
+def plot(log: dict, path: Path) -> None:
+    """Training loss per step (and its moving average) with the periodic held-out loss."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    loss = np.asarray(log["train_loss"])
+    smooth = np.convolve(loss, np.ones(25) / 25, mode="valid")
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    ax.plot(loss, color="tab:blue", alpha=0.25, lw=0.8, label="training loss (per step)")
+    ax.plot(np.arange(24, 24 + smooth.size), smooth, color="tab:blue", label="training loss (25-step mean)")
+    held = np.asarray(log["heldout_loss"])
+    ax.plot(held[:, 0], held[:, 1], "o-", color="tab:orange", ms=3, label="held-out loss (64 windows)")
+    ax.axhline(math.log(4096), color="gray", ls="--", lw=0.8, label="uniform baseline ln(4096)")
+    ax.set_xlabel("step (batch 32 x 512 tokens)")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title("tiny DeepSeek V4 on the Python standard library")
+    ax.set_ylim(0, 9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, help="fixed number of steps (default: calibrated from --minutes)")
+    parser.add_argument("--minutes", type=float, default=3.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.backends.cuda.matmul.allow_tf32 = True
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = train(args.data, args.out, args.steps, args.minutes, args.seed, device)
+    plot(log, args.out / "loss.png")
+
+
+if __name__ == "__main__":
+    main()
