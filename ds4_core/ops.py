@@ -15,6 +15,8 @@ import numpy as np
 from .backend import Weight
 
 F32 = np.float32
+# Queries per step of the gathering ops, so their temporaries stay small for long chunks.
+_QUERY_BLOCK = 128
 
 
 def embed(w: Weight, ids: np.ndarray) -> np.ndarray:
@@ -84,6 +86,14 @@ def sparse_attention(q: np.ndarray, kv: np.ndarray, idx: np.ndarray, sinks: Weig
     sees (``-1`` = none). ``sinks [H]`` (or ``None``) are per-head logits that join the softmax
     denominator without a value. Scores are ``(q·k) · scale``. Returns ``[T, H, d]``.
     """
+    out = np.empty(q.shape, dtype=F32)
+    for start in range(0, q.shape[0], _QUERY_BLOCK):  # bounds the gathered [block, K, d] rows
+        part = slice(start, start + _QUERY_BLOCK)
+        out[part] = _attend(q[part], kv, idx[part], sinks, scale)
+    return out
+
+
+def _attend(q: np.ndarray, kv: np.ndarray, idx: np.ndarray, sinks: Weight | None, scale: float) -> np.ndarray:
     rows = kv[np.maximum(idx, 0)]  # [T, K, d]
     logits = np.einsum("thd,tkd->thk", q, rows, dtype=F32) * F32(scale)
     logits = np.where((idx >= 0)[:, None, :], logits, -np.inf)
@@ -105,8 +115,12 @@ def indexer_scores(q: np.ndarray, keys: np.ndarray, head_weights: np.ndarray, sc
 
     ``q [T, Hi, d]``, ``keys [R, d]``, ``head_weights [T, Hi]`` -> ``[T, R]``.
     """
-    dots = np.maximum(np.einsum("thd,rd->thr", q, keys, dtype=F32), 0)
-    return np.einsum("th,thr->tr", head_weights, dots, dtype=F32) * F32(scale)
+    out = np.empty((q.shape[0], keys.shape[0]), dtype=F32)
+    for start in range(0, q.shape[0], _QUERY_BLOCK):
+        part = slice(start, start + _QUERY_BLOCK)
+        dots = np.maximum(np.einsum("thd,rd->thr", q[part], keys, dtype=F32), 0)
+        out[part] = np.einsum("th,thr->tr", head_weights[part], dots, dtype=F32) * F32(scale)
+    return out
 
 
 def moe_route(logits: np.ndarray, bias: Weight | None, k: int, routed_scale: float,

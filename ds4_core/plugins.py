@@ -98,9 +98,7 @@ class PluginManager:
         self.infos: list[PluginInfo] = []
         self._dist_of: dict[str, str] = {}
         self.strict = bool(os.environ.get("DS4_STRICT_PLUGINS"))
-        if os.environ.get("DS4_TRACE_PLUGINS"):
-            self.pm.trace.root.setwriter(lambda msg: print(f"[ds4 plugins] {msg}", end="", file=sys.stderr))
-            self.pm.enable_tracing()
+        self.trace = bool(os.environ.get("DS4_TRACE_PLUGINS"))
         for module_name in defaults:
             self._add(lambda m=module_name: importlib.import_module(m), module_name, "ds4-core", _version("ds4-core"))
         if load_entrypoints:
@@ -177,6 +175,8 @@ class PluginManager:
                                           f"uninstall one of them or disable it with DS4_DISABLE_PLUGINS")
                     _table[key] = spec
                     reg.owners[(_hook, label)] = _dist
+                    if self.trace:
+                        print(f"[ds4 plugins] {_hook}: {_dist} registered {label!r}", file=sys.stderr)
 
                 try:
                     impl.function(register)
@@ -198,6 +198,8 @@ class PluginManager:
     def add_commands(self, cli: Any) -> None:
         """Let every plugin add its click commands to ``cli``."""
         for impl in self.pm.hook.register_commands.get_hookimpls():
+            if self.trace:
+                print(f"[ds4 plugins] register_commands: {impl.plugin_name}", file=sys.stderr)
             try:
                 impl.function(cli)
             except Exception as exc:

@@ -57,9 +57,9 @@ def test_bad_option_values_are_rejected():
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    from ds4_model_deepseek4.tiny import default_model
+    from ds4_model_deepseek4.tiny import ensure_default_model
 
-    return default_model(tmp_path_factory.mktemp("cache"))
+    return ensure_default_model(tmp_path_factory.mktemp("cache"))
 
 
 def test_info_on_a_real_file(tiny_model):

@@ -21,8 +21,15 @@ def fresh_plugin_manager(*plugins: Any, load_entrypoints: bool = False) -> Plugi
     return pm
 
 
-def check_registry(registry: Registry) -> list[str]:
-    """Resolve every ``module:attr`` a registry names; return the problems found (empty when sound)."""
+def check_registry(registry: Registry, *, backends: Iterable[str] | None = None) -> list[str]:
+    """Resolve every ``module:attr`` a registry names; return the problems found (empty when sound).
+
+    Kernels are resolved only for ``backends`` (default: those whose probe reports them available
+    here), since a GPU backend's kernel modules import its GPU library.
+    """
+    if backends is None:
+        backends = [b.name for b in registry.backends.values() if resolve(b.probe)()[0]]
+    backends = set(backends)
     problems = []
     refs: list[tuple[str, str | None]] = []
     for m in registry.models.values():
@@ -32,7 +39,7 @@ def check_registry(registry: Registry) -> list[str]:
             problems.append(f"model {m.name} uses ops with no numpy reference: {', '.join(missing)}")
     for b in registry.backends.values():
         refs += [(f"backend {b.name}.probe", b.probe), (f"backend {b.name}.factory", b.factory)]
-    refs += [(f"kernel {k.op}@{k.backend}", k.impl) for k in registry.kernels.values()]
+    refs += [(f"kernel {k.op}@{k.backend}", k.impl) for k in registry.kernels.values() if k.backend in backends]
     refs += [(f"sampler {s.name}", s.impl) for s in registry.samplers.values()]
     for label, ref in refs:
         if ref is None:

@@ -1,4 +1,4 @@
-"""GPU test fixtures: every test here that touches the device is marked ``gpu`` and skips cleanly without CuPy or a GPU."""
+"""GPU fixtures: tests that touch the device are marked ``gpu`` and skip cleanly without CuPy or a GPU."""
 
 from __future__ import annotations
 

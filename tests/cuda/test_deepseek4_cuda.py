@@ -17,12 +17,12 @@ pytestmark = pytest.mark.gpu
 PROMPT_TOKENS = 90  # past the indexer's top-k (16 rows of 4 tokens) and several HCA windows of 16
 
 
-def _build(directory: Path, outtype: str) -> Path:
+def _build(directory: Path, outtype: str, overrides: dict | None = None) -> Path:
     from ds4_model_deepseek4 import tiny
     from ds4_model_deepseek4.convert import ArraySource, build_gguf
 
     path = directory / f"tiny-{outtype}.gguf"
-    config = tiny.tiny_config(tiny.DEFAULT_MODEL_OVERRIDES)
+    config = tiny.tiny_config({**tiny.DEFAULT_MODEL_OVERRIDES, **(overrides or {})})
     scratch = Path(tempfile.mkdtemp(dir=directory))
     tiny.write_tokenizer_files(scratch, tiny.shipped_tokenizer_json())
     build_gguf(ArraySource(tiny.random_weights(config, 0)), config, scratch, path, outtype, "tiny")
@@ -37,8 +37,9 @@ def tiny_gguf(request, tmp_path_factory) -> Path:
 
 def _ops(backend) -> Ops:
     if backend.name == "numpy":
-        from ds4_core.ops import CORE_OPS
         from ds4_model_deepseek4.ops import DEEPSEEK4_OPS
+
+        from ds4_core.ops import CORE_OPS
     else:
         from ds4_backend_cuda.deepseek4_ops import DEEPSEEK4_OPS
         from ds4_backend_cuda.ops import CUDA_OPS as CORE_OPS
@@ -86,12 +87,13 @@ def test_token_by_token_matches_chunked(cuda_backend, tiny_gguf):
     _close(single, chunked)
 
 
-def test_qat_rounding_runs_on_cuda(cuda_backend, tiny_gguf):
+def test_qat_rounding_runs_on_cuda(cuda_backend, tmp_path_factory):
     from ds4_core.backends.numpy import NumpyBackend
 
+    path = _build(tmp_path_factory.mktemp("qat"), "q8_0", {"index_head_dim": 32})  # QAT's Hadamard needs ≥ 32
     ids = _ids(80)
-    want = _run(tiny_gguf, NumpyBackend(), [80], ids, qat_rounding=True)
-    got = _run(tiny_gguf, cuda_backend, [80], ids, qat_rounding=True)
+    want = _run(path, NumpyBackend(), [80], ids, qat_rounding=True)
+    got = _run(path, cuda_backend, [80], ids, qat_rounding=True)
     assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.9
 
 

@@ -82,10 +82,10 @@ def test_embed_and_grouped_linear(cuda_backend, rng):
 def test_moe_experts_reads_selected_experts(cuda_backend, gate_type, down_type, tokens, rng):
     from ds4_backend_cuda import ops
 
-    E, I, D, k = 8, 256, 512, 3
-    g_ref, g = _pair(cuda_backend, gate_type, (E, I, D), rng)
-    u_ref, u = _pair(cuda_backend, gate_type, (E, I, D), rng)
-    d_ref, d = _pair(cuda_backend, down_type, (E, D, I), rng)
+    E, inter, D, k = 8, 256, 512, 3
+    g_ref, g = _pair(cuda_backend, gate_type, (E, inter, D), rng)
+    u_ref, u = _pair(cuda_backend, gate_type, (E, inter, D), rng)
+    d_ref, d = _pair(cuda_backend, down_type, (E, D, inter), rng)
     x = rng.standard_normal((tokens, D), dtype=np.float32)
     idx = np.stack([rng.permutation(E)[:k] for _ in range(tokens)]).astype(np.int32)
     weights = rng.uniform(0.1, 1.0, (tokens, k)).astype(np.float32)

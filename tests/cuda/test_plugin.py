@@ -7,6 +7,7 @@ import sys
 
 from ds4_backend_cuda import plugin
 from ds4_backend_cuda.probe import probe
+
 from ds4_core.descriptors import BackendSpec, KernelSpec
 from ds4_core.ops import CORE_OPS
 

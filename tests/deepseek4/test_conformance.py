@@ -20,11 +20,16 @@ RELATIVE_TOLERANCE = 1e-3
 def transformers_cached_logits(model, ids: np.ndarray) -> np.ndarray:
     """[T, vocab] logits of ``model`` decoding ``ids`` one token per forward call with its cache."""
     rows, past = [], None
-    with torch.no_grad():
-        for token in ids:
-            out = model(input_ids=torch.tensor([[int(token)]]), past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            rows.append(out.logits[0, -1].float().numpy())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # these matrices are tiny: thread start-up costs several times the work
+    try:
+        with torch.no_grad():
+            for token in ids:
+                out = model(input_ids=torch.tensor([[int(token)]]), past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                rows.append(out.logits[0, -1].float().numpy())
+    finally:
+        torch.set_num_threads(threads)
     return np.stack(rows)
 
 

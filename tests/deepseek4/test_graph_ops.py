@@ -187,10 +187,12 @@ def test_hc_head_matches_transformers():
 # ---------------------------------------------------------------- attention, compressor, indexer
 
 
-def test_sparse_attention_matches_transformers_eager_with_sinks():
-    T, H, d, N = 4, 3, 16, 9
+@pytest.mark.parametrize("T", [4, 300])  # 300 spans several query blocks of the reference
+def test_sparse_attention_matches_transformers_eager_with_sinks(T):
+    H, d, N, K = 3, 16, 9, 4
     q, kv, sinks = randn(T, H, d), randn(N, d), randn(H)
-    idx = np.array([[0, 1, 2, -1], [3, -1, 5, 8], [8, 7, 6, 5], [4, -1, -1, -1]], dtype=np.int32)
+    idx = np.stack([RNG.permutation(N)[:K] for _ in range(T)]).astype(np.int32)
+    idx[:, 1:][RNG.random((T, K - 1)) < 0.3] = -1  # distinct rows, at least one per query
     mask = np.full((T, N), -np.inf, dtype=np.float32)
     for row, picks in enumerate(idx):
         mask[row, picks[picks >= 0]] = 0

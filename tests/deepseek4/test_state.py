@@ -287,3 +287,14 @@ def test_missing_metadata_key_names_the_key():
 def test_unknown_model_option_is_rejected(tiny_path):
     with pytest.raises(ModelConfigError, match="qat_rounding"):
         open_model(tiny_path, qat_roundin=True)
+
+
+def test_flash_schedule_from_metadata_values():
+    ratios = (0, 0, *(4 if layer % 2 == 0 else 128 for layer in range(2, 43)))
+    flash = attrs.evolve(TINY, hidden_size=4096, num_layers=43, n_experts=256, n_experts_used=6, compress_ratios=ratios,
+                         swiglu_limits=(10.0,) * 43, n_hash_layers=3, rope_dim=64, head_dim=512, value_dim=512,
+                         index_head_dim=128)
+    assert flash.variant == "flash"
+    kinds = [flash.layer_kind(layer) for layer in range(43)]
+    assert kinds[:4] == ["sliding", "sliding", "csa", "hca"] and kinds.count("csa") == 21 and kinds.count("hca") == 20
+    assert [flash.is_hash_layer(layer) for layer in range(4)] == [True, True, True, False]

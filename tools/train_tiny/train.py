@@ -71,6 +71,7 @@ WARMUP = 100
 BIAS_UPDATE_RATE = 1e-3  # aux-loss-free balancing step (DeepSeek V3 uses 0.001)
 EVAL_EVERY = 200
 EVAL_WINDOWS = 64
+CALIBRATE = (10, 40)  # steps timed to choose the step count when none is given
 
 
 def build_model(vocab_size: int, seed: int) -> DeepseekV4ForCausalLM:
@@ -165,9 +166,15 @@ def train(data: Path, out: Path, steps: int | None, minutes: float, seed: int, d
     t0 = time.time()
     step = 0
     while step < total:
-        if steps is None and step == 20:  # calibrate a fixed step count from the first steps' speed
-            total = int(minutes * 60 / ((time.time() - t0) / 20))
-            print(f"calibrated: {total} steps", flush=True)
+        if steps is None and step == CALIBRATE[0]:
+            t_calibrate = time.time()
+        if steps is None and step == CALIBRATE[1]:  # fix the step count from the speed of warm steps
+            per_step = (time.time() - t_calibrate) / (CALIBRATE[1] - CALIBRATE[0])
+            total = step + int((minutes * 60 - (time.time() - t0)) / per_step)
+            print(f"calibrated: {total} steps ({per_step * 1000:.0f} ms/step)", flush=True)
+        if time.time() - t0 > 1.5 * minutes * 60 + 60:  # a safety stop: the step count above was too optimistic
+            total = step
+            break
         for group in opt.param_groups:
             group["lr"] = lr_at(step, total)
         w = batches(train_stream, BATCH, SEQ_LEN, rng).to(device)

@@ -68,7 +68,7 @@ class CudaBackend(Backend):
         self._peak = max(self._peak, self.xp.get_default_memory_pool().used_bytes())
 
     def memory_info(self) -> dict[str, int]:
-        """Bytes held by CuPy's pool (``used``, ``reserved``), the peak ``used`` seen, and the device's ``free``/``total``."""
+        """Bytes in CuPy's pool (``used``, ``reserved``), the peak ``used`` seen, the device's ``free``/``total``."""
         pool = self.xp.get_default_memory_pool()
         self._note_peak()
         free, total = self.xp.cuda.runtime.memGetInfo()

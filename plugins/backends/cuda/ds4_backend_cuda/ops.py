@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 import cupy as cp
-import cupyx
 import numpy as np
 
 from ds4_core.backend import Weight
@@ -55,15 +54,15 @@ def dequantize_rows(raw: Any, qtype: str, ncols: int, rows: Any = None) -> Any:
     out = cp.empty((n, ncols), dtype=F32)
     units = n * ncols // _unit(qtype)
     if units:
-        rows_arg = 0 if rows is None else cp.ascontiguousarray(rows, dtype=cp.int32)
+        rows_arg = np.uint64(0) if rows is None else cp.ascontiguousarray(rows, dtype=cp.int32)
         quant_kernel("dequant_rows", qtype)(
             ((units + _THREADS - 1) // _THREADS,), (_THREADS,),
             (raw, _i64(raw.shape[1]), _i32(ncols), rows_arg, _i32(n), out))
     return out
 
 
-_UNITS = {"F32": 8, "F16": 8, "BF16": 8, "Q8_0": 32, "Q4_0": 32, "Q4_K": 64, "Q6_K": 16, "Q2_K": 16,
-          "IQ2_XXS": 32, "MXFP4": 32}
+_UNITS = {"F32": 8, "F16": 8, "BF16": 8, "Q8_0": 8, "Q4_0": 32, "Q4_K": 64, "Q6_K": 16, "Q2_K": 16,
+          "IQ2_XXS": 8, "MXFP4": 32}
 
 
 def _unit(qtype: str) -> int:
@@ -204,7 +203,7 @@ def moe_route(logits: Any, bias: Weight | None, k: int, routed_scale: float,
 
 def _expert_gemv(w: Weight, idx: Any, x: Any, x_div: int) -> Any:
     """``y[p] = W_{idx[p]} @ x[p // x_div]`` for flat pair ids ``idx [P]`` -> ``[P, rows]``."""
-    experts, nrows, ncols = w.shape
+    _, nrows, ncols = w.shape
     pairs = idx.shape[0]
     y = cp.empty((pairs, nrows), dtype=F32)
     row_bytes = w.data.shape[1]
@@ -250,7 +249,7 @@ def _moe_grouped(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, 
         xe = x[tok_d]
         h = swiglu(_expert_matmul(xe, gate_exps, int(e)), _expert_matmul(xe, up_exps, int(e)), swiglu_limit)
         y = _expert_matmul(h, down_exps, int(e)) * weights[tok_d, slot_d][:, None]
-        cupyx.scatter_add(out, tok_d, y)
+        cp.add.at(out, tok_d, y)
     return out
 
 

@@ -14,7 +14,8 @@ DS4_PLUGIN_API = 1
               help="Model shapes to synthesise in device memory (no file needed).")
 @click.option("--recipe", type=click.Choice(["q2", "q4", "mxfp4"]), default="q2", show_default=True,
               help="Routed-expert formats: q2 = IQ2_XXS gate/up + Q2_K down, q4 = Q4_K, mxfp4 = MXFP4.")
-@click.option("--layers", type=int, default=None, help="Decoder layers to build (default: all 43, fewer if memory is short).")
+@click.option("--layers", type=int, default=None,
+              help="Decoder layers to build (default: all 43, fewer if memory is short).")
 @click.option("--repeats", type=int, default=20, show_default=True, help="Timed repetitions of each measurement.")
 @click.option("--prefill-tokens", type=int, multiple=True, default=(512, 2048), show_default=True,
               help="Token counts of the prefill-shaped matmul.")

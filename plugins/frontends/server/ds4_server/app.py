@@ -132,8 +132,11 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
-def load_into(state: ServerState) -> None:
-    """Load the model named by the config, then the slot pool and disk cache (runs on a background thread)."""
+def load_into(state: ServerState, on_failure: Any = None) -> None:
+    """Load the model named by the config, then the slot pool and disk cache (runs on a background thread).
+
+    On failure ``state.load_error`` is set (``/health`` reports it) and ``on_failure()`` is called.
+    """
     from ds4_core.cli import resolve_model_path
     from ds4_core.descriptors import resolve
     from ds4_core.engine import Engine
@@ -157,6 +160,8 @@ def load_into(state: ServerState) -> None:
     except Exception as exc:  # /health reports it and the process exits non-zero
         state.load_error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, Ds4Error) else str(exc)
         print(f"error: {state.load_error}", file=sys.stderr, flush=True)
+        if on_failure is not None:
+            on_failure()
 
 
 def serve(config: ServerConfig, host: str, port: int, log_level: str = "warning") -> None:
@@ -178,9 +183,12 @@ def serve(config: ServerConfig, host: str, port: int, log_level: str = "warning"
     app = create_app(state)
     shown = f"[{host}]" if ":" in host else host
     print(f"ds4 serve: listening on http://{shown}:{bound}", file=sys.stderr, flush=True)
-    loader = threading.Thread(target=load_into, args=(state,), name="ds4-load", daemon=True)
-    loader.start()
     server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
+
+    def stop() -> None:
+        server.should_exit = True
+
+    threading.Thread(target=load_into, args=(state, stop), name="ds4-load", daemon=True).start()
     server.run(sockets=[sock])
     if state.load_error:
         raise SystemExit(1)

@@ -156,23 +156,28 @@ class SlotPool:
         def emit(item: Any) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
+        def done() -> None:
+            loop.call_soon_threadsafe(self.release, slot)
+
         try:
-            future = loop.run_in_executor(self.executor, self._run, slot, req, emit, cancel)
+            loop.run_in_executor(self.executor, self._run, slot, req, emit, done, cancel)
         except BaseException:
             self.release(slot)
             raise
-        future.add_done_callback(lambda _: self.release(slot))
         events = _events(queue, cancel, ping_s)
         await anext(events)  # arms the iterator's finally, which cancels the worker
         return events
 
     # ---- worker thread ----------------------------------------------------------------------------------------
 
-    def _run(self, slot: Slot, req: GenRequest, emit: Callable[[Any], None], cancel: threading.Event) -> None:
+    def _run(self, slot: Slot, req: GenRequest, emit: Callable[[Any], None], done: Callable[[], None],
+             cancel: threading.Event) -> None:
         try:
-            emit(self._generate(slot, req, emit, cancel))
+            result: Any = self._generate(slot, req, emit, cancel)
         except BaseException as exc:  # surfaced to the request by the consumer
-            emit(exc)
+            result = exc
+        done()  # free the slot before the client can see the end and send its next turn
+        emit(result)
 
     def _prefill(self, slot: Slot, prompt: list[int], cancel: threading.Event) -> int:
         """Bring the slot's session to ``prompt`` reusing the longest cached prefix; return its length."""

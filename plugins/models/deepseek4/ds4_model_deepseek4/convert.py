@@ -598,8 +598,8 @@ def write_gguf(out_path: str | os.PathLike[str], metadata: list[tuple[str, Any, 
     fd, tmp_name = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
     os.close(fd)
     tmp = Path(tmp_name)
+    writer = GGUFWriter(None, ARCHITECTURE)
     try:
-        writer = GGUFWriter(None, ARCHITECTURE)
         for key, value, vtype, sub_type in metadata:
             writer.add_key_value(key, value, vtype, sub_type)
         for tensor in plan:
@@ -609,11 +609,12 @@ def write_gguf(out_path: str | os.PathLike[str], metadata: list[tuple[str, Any, 
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         _write_tensor_data(writer, plan, progress)
+        writer.flush()
+        os.fsync(writer.fout[0].fileno())
         writer.close()
-        with tmp.open("rb+") as f:
-            os.fsync(f.fileno())
         os.replace(tmp, out_path)
     except BaseException:
+        writer.close()
         tmp.unlink(missing_ok=True)
         raise
 
@@ -702,5 +703,5 @@ def convert(src_dir: str | os.PathLike[str], out_path: str | os.PathLike[str], o
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ConversionError(f"{config_path} is not valid JSON ({exc}); re-download it") from None
-    name = re.sub(r"[-_]+$", "", src.resolve().name) or "DeepSeek-V4"
+    name = src.resolve().name or "DeepSeek-V4"
     build_gguf(SafetensorsSource(src), config, src, out_path, outtype, name, progress)

@@ -58,14 +58,14 @@ struct BF16 {
     }
 };
 
-// d (f16), 32 int8 codes; one unit is the whole block.
+// d (f16), 32 int8 codes. A unit is 8 codes, so four neighbouring lanes read one block's codes contiguously.
 struct Q8_0 {
-    static constexpr int QK = 32, BYTES = 34, UNIT = 32;
-    static __device__ __forceinline__ void decode(const u8* b, int, float* v) {
+    static constexpr int QK = 32, BYTES = 34, UNIT = 8;
+    static __device__ __forceinline__ void decode(const u8* b, int part, float* v) {
         float d = half_at(b);
 #pragma unroll
-        for (int i = 0; i < 16; i++) {
-            u16 two = u16_at(b + 2 + 2 * i);
+        for (int i = 0; i < 4; i++) {
+            u16 two = u16_at(b + 2 + 8 * part + 2 * i);
             v[2 * i] = (float)(signed char)(two & 0xFF) * d;
             v[2 * i + 1] = (float)(signed char)(two >> 8) * d;
         }
@@ -157,27 +157,24 @@ struct Q2_K {
 };
 
 // d (f16), then 8 groups of 8 bytes: 4 grid indices and a u32 holding four 7-bit sign indices and a
-// 4-bit scale. A unit is one 32-element group; the eighth sign bit makes the minus count even.
+// 4-bit scale. A unit is the 8 elements of one grid index (part = 4 * group + k); the eighth sign bit
+// makes the minus count even.
 struct IQ2_XXS {
-    static constexpr int QK = 256, BYTES = 66, UNIT = 32;
-    static __device__ __forceinline__ void decode(const u8* b, int g, float* v) {
+    static constexpr int QK = 256, BYTES = 66, UNIT = 8;
+    static __device__ __forceinline__ void decode(const u8* b, int part, float* v) {
+        int g = part / 4, k = part % 4;
         const u8* p = b + 2 + 8 * g;
-        u16 s0 = u16_at(p), s1 = u16_at(p + 2), s2 = u16_at(p + 4), s3 = u16_at(p + 6);
-        u32 aux = (u32)s2 | ((u32)s3 << 16);
+        u32 aux = (u32)u16_at(p + 4) | ((u32)u16_at(p + 6) << 16);
         float scale = half_at(b) * ((float)(aux >> 28) + 0.5f) * 0.25f;
-        u32 idx4 = (u32)s0 | ((u32)s1 << 16);
+        const u8* row = iq2xxs_grid + 8 * p[k];
+        u32 signs = (aux >> (7 * k)) & 127;
+        signs |= (__popc(signs) & 1) << 7;
+        uint2 mags = *reinterpret_cast<const uint2*>(row);
 #pragma unroll
-        for (int k = 0; k < 4; k++) {
-            const u8* row = iq2xxs_grid + 8 * ((idx4 >> (8 * k)) & 0xFF);
-            u32 signs = (aux >> (7 * k)) & 127;
-            signs |= (__popc(signs) & 1) << 7;
-            uint2 mags = *reinterpret_cast<const uint2*>(row);
-#pragma unroll
-            for (int i = 0; i < 8; i++) {
-                u32 m = ((i < 4 ? mags.x : mags.y) >> (8 * (i % 4))) & 0xFF;
-                float value = scale * (float)m;
-                v[8 * k + i] = (signs >> i) & 1 ? -value : value;
-            }
+        for (int i = 0; i < 8; i++) {
+            u32 m = ((i < 4 ? mags.x : mags.y) >> (8 * (i % 4))) & 0xFF;
+            float value = scale * (float)m;
+            v[i] = (signs >> i) & 1 ? -value : value;
         }
     }
 };

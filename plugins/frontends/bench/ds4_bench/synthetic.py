@@ -1,0 +1,310 @@
+"""A synthetic DeepSeek V4 Flash in GPU memory: decode-step weight streaming and prefill matmuls, timed against
+the device's own ceilings (a device-to-device copy for HBM bandwidth, a bf16 cuBLAS matmul for tensor cores).
+
+Weights are random *valid* GGUF blocks (scales finite, codes uniform), made on the host for a template of
+blocks and tiled across device buffers, so no file and no host-sized memory are needed.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from ds4_core.quants import block_geometry, random_blocks
+
+#: DeepSeek V4 Flash dimensions (spec §1.1).
+FLASH: dict[str, int] = {"hidden": 4096, "layers": 43, "vocab": 129280, "q_lora": 1024, "heads": 64,
+                         "head_dim": 512, "o_groups": 8, "o_lora": 1024, "experts": 256, "k": 6, "inter": 2048,
+                         "hc": 4, "index_heads": 64, "index_dim": 128}
+#: Routed-expert formats (gate, up, down) of each recipe; attention, shared expert and head are Q8_0.
+RECIPES: dict[str, tuple[str, str, str]] = {"q2": ("IQ2_XXS", "IQ2_XXS", "Q2_K"), "q4": ("Q4_K", "Q4_K", "Q4_K"),
+                                           "mxfp4": ("MXFP4", "MXFP4", "MXFP4")}
+_TEMPLATE_BLOCKS = 1 << 16
+
+
+def device_blocks(qtype: str, rows: int, ncols: int) -> Any:
+    """A CuPy ``uint8 [rows, row bytes]`` of valid random ``qtype`` blocks (a host template tiled by doubling)."""
+    import cupy as cp
+
+    qk, size = block_geometry(qtype)
+    n = rows * ncols // qk
+    out = cp.empty((n, size), dtype=cp.uint8)
+    m = min(n, _TEMPLATE_BLOCKS)
+    out[:m] = cp.asarray(_template(qtype)[:m])
+    while m < n:
+        step = min(m, n - m)
+        out[m:m + step] = out[:step]
+        m += step
+    return out.reshape(rows, -1)
+
+
+@functools.cache
+def _template(qtype: str) -> np.ndarray:
+    return random_blocks(qtype, _TEMPLATE_BLOCKS, np.random.default_rng(list(qtype.encode())))
+
+
+@attrs.define
+class Launch:
+    """One kernel launch of a step, with the weight bytes it must read."""
+
+    kernel: Any
+    grid: tuple[int, ...]
+    block: tuple[int, ...]
+    args: tuple
+    nbytes: int
+
+
+@attrs.define
+class Step:
+    """A decode step as a fixed list of launches over preallocated buffers (capturable as a CUDA graph)."""
+
+    launches: list[Launch]
+    outputs: list[Any]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(launch.nbytes for launch in self.launches)
+
+    def run(self) -> None:
+        for launch in self.launches:
+            launch.kernel(launch.grid, launch.block, launch.args)
+
+
+class _Builder:
+    def __init__(self, rng: np.random.Generator):
+        import cupy as cp
+
+        self.cp, self.rng = cp, rng
+        self.launches: list[Launch] = []
+        self.outputs: list[Any] = []
+
+    def gemv(self, qtype: str, rows: int, ncols: int) -> None:
+        from ds4_backend_cuda.modules import quant_kernel
+
+        cp = self.cp
+        w = device_blocks(qtype, rows, ncols)
+        x = cp.asarray(self.rng.standard_normal(ncols, dtype=np.float32))
+        y = cp.empty(rows, dtype=cp.float32)
+        self.outputs.append(y)
+        self.launches.append(Launch(quant_kernel("gemv", qtype), ((rows + 3) // 4,), (128,),
+                                    (w, np.int64(w.shape[1]), np.int32(rows), np.int32(ncols), x, np.int32(1), y),
+                                    w.nbytes))
+
+    def experts(self, qtype: str, experts: int, rows: int, ncols: int, idx: Any, x: Any) -> Any:
+        from ds4_backend_cuda.modules import quant_kernel
+
+        cp = self.cp
+        w = device_blocks(qtype, experts * rows, ncols)
+        pairs = idx.shape[0]
+        y = cp.empty((pairs, rows), dtype=cp.float32)
+        self.outputs.append(y)
+        row_bytes = w.shape[1]
+        x_div = pairs if x.shape[0] == 1 else 1
+        self.launches.append(Launch(quant_kernel("moe_gemv", qtype), ((rows + 3) // 4, pairs), (128,),
+                                    (w, np.int64(rows * row_bytes), np.int64(row_bytes), np.int32(rows),
+                                     np.int32(ncols), idx, x, np.int32(x_div), y),
+                                    pairs * rows * row_bytes))
+        return y
+
+
+def build_decode_step(recipe: str, layers: int, shapes: dict[str, int] = FLASH, seed: int = 0) -> Step:
+    """The weight-streaming part of one batch-1 decode step of a DeepSeek V4 with ``shapes``.
+
+    Per layer: the two HC mixes, Q8_0 attention projections (q_a, q_b, kv, 8 grouped o_a, o_b), the F16
+    compressor/indexer projections of CSA (even layers ≥ 2) and HCA (odd ≥ 3) layers, the F16 router, ``k``
+    routed experts (ids read on the device) and the Q8_0 shared expert; then the HC head and the Q8_0 output head.
+    Attention over the cache and the elementwise glue are not included.
+    """
+    import cupy as cp
+
+    s = shapes
+    D, n, inter, E, k = s["hidden"], s["hc"], s["inter"], s["experts"], s["k"]
+    gate_t, up_t, down_t = RECIPES[recipe]
+    rng = np.random.default_rng(seed)
+    b = _Builder(rng)
+    for layer in range(layers):
+        b.gemv("F16", (2 + n) * n, n * D)
+        b.gemv("Q8_0", s["q_lora"], D)
+        b.gemv("Q8_0", s["heads"] * s["head_dim"], s["q_lora"])
+        b.gemv("Q8_0", s["head_dim"], D)
+        if layer >= 2:
+            coff = 2 if layer % 2 == 0 else 1
+            b.gemv("F16", coff * s["head_dim"], D)
+            b.gemv("F16", coff * s["head_dim"], D)
+            if coff == 2:
+                b.gemv("F16", s["index_heads"] * s["index_dim"], s["q_lora"])
+                b.gemv("F16", s["index_heads"], D)
+                b.gemv("F16", 2 * s["index_dim"], D)
+                b.gemv("F16", 2 * s["index_dim"], D)
+        for _ in range(s["o_groups"]):
+            b.gemv("Q8_0", s["o_lora"], s["heads"] * s["head_dim"] // s["o_groups"])
+        b.gemv("Q8_0", D, s["o_groups"] * s["o_lora"])
+        b.gemv("F16", (2 + n) * n, n * D)
+        b.gemv("F16", E, D)
+        idx = cp.asarray(rng.choice(E, k, replace=False).astype(np.int32))
+        x = cp.asarray(rng.standard_normal((1, D), dtype=np.float32))
+        b.experts(gate_t, E, inter, D, idx, x)
+        h = b.experts(up_t, E, inter, D, idx, x)
+        b.experts(down_t, E, D, inter, idx, h)
+        b.gemv("Q8_0", inter, D)
+        b.gemv("Q8_0", inter, D)
+        b.gemv("Q8_0", D, inter)
+    b.gemv("F16", n, n * D)
+    b.gemv("Q8_0", s["vocab"], D)
+    return Step(b.launches, b.outputs)
+
+
+def _time(fn: Callable[[], None], repeats: int) -> float:
+    """Median seconds of ``fn`` on the current stream, by CUDA events, after two warm-up calls."""
+    import cupy as cp
+
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop) / 1e3)
+    return float(np.median(times))
+
+
+def copy_bandwidth(nbytes: int = 4 << 30, repeats: int = 10) -> float:
+    """HBM bandwidth in bytes/s from a device-to-device copy of ``nbytes`` (bytes read + written ÷ time)."""
+    import cupy as cp
+
+    src = cp.empty(nbytes, dtype=cp.uint8)
+    dst = cp.empty_like(src)
+    seconds = _time(lambda: dst.data.copy_from_device_async(src.data, nbytes), repeats)
+    return 2 * nbytes / seconds
+
+
+def bf16_matmul_rate(n: int = 8192, repeats: int = 10) -> tuple[float, str]:
+    """(FLOP/s, how) of an ``n³`` bf16 cuBLAS matmul (through torch when present, else fp16 through CuPy)."""
+    try:
+        import torch
+
+        a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        seconds = _time_torch(lambda: torch.matmul(a, b), repeats)
+        return 2 * n**3 / seconds, "bf16 cuBLAS via torch"
+    except ImportError:
+        import cupy as cp
+
+        a = cp.random.standard_normal((n, n), dtype=cp.float32).astype(cp.float16)
+        seconds = _time(lambda: cp.matmul(a, a), repeats)
+        return 2 * n**3 / seconds, "fp16 cuBLAS via CuPy (no torch)"
+
+
+def _time_torch(fn: Callable[[], Any], repeats: int) -> float:
+    import torch
+
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / 1e3)
+    return float(np.median(times))
+
+
+def decode_results(recipe: str, layers: int, repeats: int, bandwidth: float) -> dict[str, Any]:
+    """Eager and CUDA-graph timings of the synthetic decode step, with its roofline fraction."""
+    import cupy as cp
+
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        step = build_decode_step(recipe, layers)
+        eager = _time(step.run, repeats)
+        eager_out = [cp.asnumpy(o) for o in step.outputs]
+        stream.begin_capture()
+        step.run()
+        graph = stream.end_capture()
+        graph.upload(stream)
+        replay = _time(lambda: graph.launch(stream), repeats)
+        same = all(np.array_equal(a, cp.asnumpy(o)) for a, o in zip(eager_out, step.outputs, strict=True))
+    nbytes = step.nbytes
+    full = FLASH["layers"]
+    per_layer = (replay / layers) if layers else 0.0
+    return {"recipe": recipe, "layers": layers, "launches": len(step.launches), "bytes_per_step": nbytes,
+            "eager_s": eager, "graph_s": replay, "graph_matches_eager": same,
+            "eager_fraction": nbytes / eager / bandwidth, "graph_fraction": nbytes / replay / bandwidth,
+            "tokens_per_s_graph_at_43_layers": 1 / (replay * full / layers) if layers else 0.0,
+            "graph_s_per_layer": per_layer, "peak_pool_bytes": cp.get_default_memory_pool().total_bytes()}
+
+
+def prefill_results(tokens: Sequence[int], repeats: int, matmul_rate: float) -> list[dict[str, Any]]:
+    """FLOP/s of the backend's ``linear`` on prefill-shaped inputs (dequantize to f32 + cuBLAS), vs the bf16 roof."""
+    import cupy as cp
+    from ds4_backend_cuda.ops import linear
+
+    from ds4_core.backend import Weight
+
+    rng = np.random.default_rng(1)
+    out = []
+    for qtype, rows, cols in (("Q8_0", 4096, 8192), ("IQ2_XXS", 2048, 4096)):
+        w = Weight("w", qtype, (rows, cols), device_blocks(qtype, rows, cols))
+        for t in tokens:
+            x = cp.asarray(rng.standard_normal((t, cols), dtype=np.float32))
+            seconds = _time(lambda x=x, w=w: linear(x, w), repeats)
+            flops = 2 * t * rows * cols / seconds
+            out.append({"qtype": qtype, "shape": [rows, cols], "tokens": t, "seconds": seconds, "flop_per_s": flops,
+                        "fraction_of_bf16": flops / matmul_rate})
+    return out
+
+
+def run_all(recipe: str = "q2", layers: int | None = None, repeats: int = 20,
+            prefill_tokens: Sequence[int] = (512, 2048)) -> dict[str, Any]:
+    """Every measurement of ``ds4 bench``, as a JSON-able dict."""
+    import cupy as cp
+
+    device = cp.cuda.Device()
+    props = cp.cuda.runtime.getDeviceProperties(device.id)
+    t0 = time.perf_counter()
+    bandwidth = copy_bandwidth()
+    rate, how = bf16_matmul_rate()
+    cp.get_default_memory_pool().free_all_blocks()
+    if layers is None:
+        free, _ = cp.cuda.runtime.memGetInfo()
+        per_layer = 2.1e9 if recipe == "q2" else 4.8e9  # full-size routed experts dominate
+        layers = max(1, min(FLASH["layers"], int((free - 4e9) // per_layer)))
+    results = {"device": props["name"].decode(), "hbm_copy_bytes_per_s": bandwidth, "matmul_flop_per_s": rate,
+               "matmul_how": how}
+    results["decode"] = decode_results(recipe, layers, repeats, bandwidth)
+    cp.get_default_memory_pool().free_all_blocks()
+    results["prefill"] = prefill_results(prefill_tokens, max(3, repeats // 4), rate)
+    results["seconds"] = time.perf_counter() - t0
+    return results
+
+
+def print_report(r: dict[str, Any]) -> None:
+    """The results as a plain-text table on stdout."""
+    d = r["decode"]
+    gb = 1e9
+    print(f"device: {r['device']}")
+    print(f"HBM copy bandwidth (read+write): {r['hbm_copy_bytes_per_s'] / gb:.0f} GB/s; "
+          f"matmul roof: {r['matmul_flop_per_s'] / 1e12:.0f} TFLOP/s ({r['matmul_how']})")
+    print(f"decode step, recipe {d['recipe']}, {d['layers']} layers, {d['launches']} launches, "
+          f"{d['bytes_per_step'] / gb:.2f} GB of weights read, peak pool {d['peak_pool_bytes'] / gb:.1f} GB")
+    for mode in ("eager", "graph"):
+        sec = d[f"{mode}_s"]
+        print(f"  {mode:5s}: {sec * 1e3:8.3f} ms  {d['bytes_per_step'] / sec / gb:7.0f} GB/s  "
+              f"{100 * d[f'{mode}_fraction']:5.1f}% of copy bandwidth")
+    print(f"  graph replay == eager: {d['graph_matches_eager']}; "
+          f"projected {d['tokens_per_s_graph_at_43_layers']:.1f} t/s for 43 layers (weight streaming only)")
+    print("prefill-shaped linear (dequantize to f32 + cuBLAS sgemm):")
+    for p in r["prefill"]:
+        print(f"  {p['qtype']:8s} {p['shape'][0]}x{p['shape'][1]} T={p['tokens']:5d}: {p['seconds'] * 1e3:8.3f} ms "
+              f"{p['flop_per_s'] / 1e12:7.1f} TFLOP/s  {100 * p['fraction_of_bf16']:5.1f}% of the matmul roof")
+    print(f"total {r['seconds']:.1f} s")
