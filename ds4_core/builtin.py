@@ -26,7 +26,8 @@ def register_kernels(register: Callable[[KernelSpec], None]) -> None:
     from .ops import CORE_OPS
 
     for op, fn in CORE_OPS.items():
-        register(KernelSpec(op, "numpy", f"ds4_core.ops:{fn.__name__}", doc=(fn.__doc__ or "").strip().split("\n")[0]))
+        doc = (fn.__doc__ or "").strip().split("\n")[0]
+        register(KernelSpec(op, "numpy", f"{fn.__module__}:{fn.__name__}", doc=doc))
 
 
 @hookimpl

@@ -171,3 +171,8 @@ CORE_OPS: dict[str, Callable] = {
     "moe_route": moe_route,
     "moe_experts": moe_experts,
 }
+
+# Recurrent-layer ops live in their own module to keep this one readable; they are part of the same vocabulary.
+from .ops_recurrent import RECURRENT_OPS  # noqa: E402 - appended to the table above
+
+CORE_OPS.update(RECURRENT_OPS)

@@ -81,5 +81,6 @@ def slow_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def server(gguf: Path) -> Iterator[Server]:
-    with run_server(gguf, "--batched-session", "4", "--kv-cache-min-tokens", "1", "--trace", str(gguf.parent / "trace.jsonl")) as srv:
+    trace = str(gguf.parent / "trace.jsonl")
+    with run_server(gguf, "--batched-session", "4", "--trace", trace) as srv:
         yield srv

@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 import numpy as np
+from ds4_server.kvstore import DiskKVStore, model_identity
 
 from ds4_core.engine import Snapshot
-from ds4_server.kvstore import DiskKVStore, model_identity
 
 
 def snap(tokens: list[int], fill: float = 1.0, size: int = 1000) -> Snapshot:
