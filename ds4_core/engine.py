@@ -25,6 +25,7 @@ from .log import get_logger
 from .model import Model, copy_state
 from .plugins import PluginManager, Registry, get_plugin_manager
 from .sampling import Sampler, SamplingParams
+from .stops import StopScanner
 from .tokenizer import Tokenizer
 
 #: Tokens fed per prefill step; bounds scratch memory on every backend.
@@ -263,44 +264,20 @@ class Session:
         if self.last_logits is None:
             raise Ds4Error("nothing to continue from: give a prompt")
         decoder = tok.incremental_decoder()
-        held = ""  # text withheld because it may be the start of a stop string
+        scanner = StopScanner(stop_strings)
         for _ in range(min(max_tokens, self.remaining + 1)):
             token = sampler.sample(self.last_logits)
             if token in stops:
                 break
-            text = held + decoder.push(token)
-            cut = _find_stop(text, stop_strings)
-            if cut is not None:
-                if text[:cut]:
-                    yield Generated(token, text[:cut])
+            text, hit = scanner.push(decoder.push(token))
+            if text:
+                yield Generated(token, text)
+            if hit is not None or self.remaining == 0:
                 return
-            keep = _partial_stop_suffix(text, stop_strings)
-            held = text[len(text) - keep:] if keep else ""
-            yield Generated(token, text[:len(text) - keep])
-            if self.remaining == 0:
-                break
             self.feed([token])
-        tail = held + decoder.flush()
-        cut = _find_stop(tail, stop_strings)
-        tail = tail if cut is None else tail[:cut]
-        if tail:
-            yield Generated(-1, tail)
-
-
-def _find_stop(text: str, stops: Sequence[str]) -> int | None:
-    hits = [i for s in stops if (i := text.find(s)) >= 0]
-    return min(hits) if hits else None
-
-
-def _partial_stop_suffix(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
-                break
-    return best
+        text, _ = scanner.push(decoder.flush())
+        if text := text + scanner.flush():
+            yield Generated(-1, text)
 
 
 class _progress:

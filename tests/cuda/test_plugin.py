@@ -12,17 +12,17 @@ from ds4_core.descriptors import BackendSpec, KernelSpec
 from ds4_core.ops import CORE_OPS
 
 
-def test_registers_backend_and_a_kernel_for_every_core_and_deepseek_op():
+def test_registers_backend_and_a_kernel_for_every_deepseek4_graph_op():
     backends: list[BackendSpec] = []
     kernels: list[KernelSpec] = []
     plugin.register_backends(backends.append)
     plugin.register_kernels(kernels.append)
     assert [b.name for b in backends] == ["cuda"]
     ops = {k.op for k in kernels if k.backend == "cuda"}
-    assert set(CORE_OPS) <= ops
-    from ds4_model_deepseek4.ops import DEEPSEEK4_OPS
+    from ds4_model_deepseek4.opnames import GRAPH_OPS, MODEL_OPS
 
-    assert set(DEEPSEEK4_OPS) <= ops
+    assert set(GRAPH_OPS) | set(MODEL_OPS) <= ops
+    assert set(plugin.CORE_OPS) <= set(CORE_OPS)  # every CUDA core kernel names an op of the vocabulary
 
 
 def test_importing_the_plugin_and_probing_leave_cupy_unimported():

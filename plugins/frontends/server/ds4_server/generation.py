@@ -22,6 +22,7 @@ import attrs
 from ds4_core.chat import ContentDelta, StreamEvent, StreamParser
 from ds4_core.engine import Engine, Snapshot
 from ds4_core.sampling import SamplingParams
+from ds4_core.stops import StopScanner
 
 from .errors import ApiError
 from .trace import Tracer
@@ -216,7 +217,8 @@ class SlotPool:
         sampler = engine.sampler(req.sampling)
         decoder = tok.incremental_decoder()
         stops = tuple(s for s in (*req.stop, *getattr(engine.chat_format, "stop_strings", ())) if s)
-        reason, hit, held, n, text_out = "length", None, "", 0, []
+        reason, hit, n, text_out = "length", None, 0, []
+        scanner = StopScanner(stops)
 
         def push(text: str) -> None:
             if text:
@@ -233,18 +235,15 @@ class SlotPool:
                 reason = "stop"
                 break
             n += 1
-            text = held + decoder.push(token)
-            cut, hit = _find_stop(text, stops)
+            text, hit = scanner.push(decoder.push(token))
+            push(text)
             if hit is not None:
-                push(text[:cut])
-                held, reason = "", ("stop" if hit not in req.stop else "stop_sequence")
+                reason = "stop" if hit not in req.stop else "stop_sequence"
                 break
-            keep = _partial_stop(text, stops)
-            held = text[len(text) - keep:] if keep else ""
-            push(text[:len(text) - keep])
             session.feed([token])
         if reason != "cancelled":
-            push(held + decoder.flush())
+            text, _ = scanner.push(decoder.flush())
+            push(text + scanner.flush())
             for event in req.parser.finish() if req.parser else ():
                 emit(event)
         t2 = time.perf_counter()
@@ -288,20 +287,4 @@ def _reuse(slot: Slot, prompt: Sequence[int]) -> int:
     snap = slot.prompt_snapshot
     if snap is not None and best < len(snap.tokens) <= len(prompt) and tuple(prompt[:len(snap.tokens)]) == snap.tokens:
         best = len(snap.tokens)
-    return best
-
-
-def _find_stop(text: str, stops: Sequence[str]) -> tuple[int, str | None]:
-    hits = [(i, s) for s in stops if (i := text.find(s)) >= 0]
-    return min(hits) if hits else (len(text), None)
-
-
-def _partial_stop(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest suffix of ``text`` that could still grow into a stop string."""
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
-                break
     return best
