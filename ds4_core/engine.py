@@ -8,6 +8,7 @@ decoding state.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -164,8 +165,14 @@ class Engine:
         """Token ids of a conversation rendered with the model's chat template."""
         if self.chat_format is None:
             raise Ds4Error(f"model {self.spec.name!r} has no chat format; use generate() with raw text")
-        text = self.chat_format.render(messages, tools=tools, thinking=thinking)
-        return self.tokenizer.encode(text, special=True)
+        guarded, originals = _guard_specials(messages, self.tokenizer)
+        text = self.chat_format.render(guarded, tools=tools, thinking=thinking)
+        ids: list[int] = []
+        for i, part in enumerate(_SENTINEL.split(text)):
+            # even parts are template text; odd parts are sentinel indices of user-supplied strings
+            ids += self.tokenizer.encode(part, special=True) if i % 2 == 0 else \
+                self.tokenizer.encode(originals[int(part)], special=False)
+        return ids
 
     def chat(self, messages: Sequence[dict[str, Any]], *, tools: Sequence[dict[str, Any]] | None = None,
              thinking: Thinking = "none", max_tokens: int = 512,
@@ -278,6 +285,26 @@ class Session:
         text, _ = scanner.push(decoder.flush())
         if text := text + scanner.flush():
             yield Generated(-1, text)
+
+
+_SENTINEL = re.compile("\ue000([0-9]+)\ue001")
+
+
+def _guard_specials(messages: Sequence[dict[str, Any]], tokenizer: Tokenizer) -> tuple[list[dict[str, Any]], list[str]]:
+    """Replace message strings that spell special tokens by sentinels, so that text a user typed is never
+    read as a role marker or control token. Returns the guarded messages and the replaced strings."""
+    originals: list[str] = []
+
+    def guard(value: Any) -> Any:
+        if isinstance(value, str) and tokenizer.contains_special(value):
+            originals.append(value)
+            return f"\ue000{len(originals) - 1}\ue001"
+        if isinstance(value, list):
+            return [{**p, "text": guard(p["text"])} if isinstance(p, dict) and "text" in p else p for p in value]
+        return value
+
+    guarded = [{**m, **{k: guard(m[k]) for k in ("content", "reasoning_content") if k in m}} for m in messages]
+    return guarded, originals
 
 
 class _progress:

@@ -181,6 +181,10 @@ class Tokenizer:
 
     # ---- encode -------------------------------------------------------------------------------------------
 
+    def contains_special(self, text: str) -> bool:
+        """Whether ``text`` holds the literal string of a control or user-defined token."""
+        return self._special_regex is not None and self._special_regex.search(text) is not None
+
     def encode(self, text: str, *, special: bool = False) -> list[int]:
         """Token ids of ``text`` (no BOS added).
 

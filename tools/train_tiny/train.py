@@ -147,7 +147,9 @@ def lr_at(step: int, total: int) -> float:
     return PEAK_LR * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
 
-def train(data: Path, out: Path, steps: int | None, minutes: float, seed: int, device: str) -> dict:
+def train(data: Path, out: Path, steps: int | None, minutes: float, seed: int, device: str,
+          batch: int = BATCH) -> dict:
+    """Train, evaluate and save; return the log written to ``loss.json``."""
     corpus = json.loads((data / "corpus.json").read_text())
     train_stream = np.load(data / "train.npy")
     held_stream = np.load(data / "heldout.npy")
@@ -160,7 +162,7 @@ def train(data: Path, out: Path, steps: int | None, minutes: float, seed: int, d
                             lr=PEAK_LR, betas=(0.9, 0.95), fused=device == "cuda")
     rng = np.random.default_rng(seed)
     eval_windows = heldout_windows(held_stream, SEQ_LEN, EVAL_WINDOWS)
-    log: dict = {"seed": seed, "seq_len": SEQ_LEN, "batch": BATCH, "peak_lr": PEAK_LR, "train_loss": [],
+    log: dict = {"seed": seed, "seq_len": SEQ_LEN, "batch": batch, "peak_lr": PEAK_LR, "train_loss": [],
                  "heldout_loss": [], "parameters": sum(p.numel() for p in model.parameters())}
     total = steps or 10**9
     t0 = time.time()
@@ -177,7 +179,7 @@ def train(data: Path, out: Path, steps: int | None, minutes: float, seed: int, d
             break
         for group in opt.param_groups:
             group["lr"] = lr_at(step, total)
-        w = batches(train_stream, BATCH, SEQ_LEN, rng).to(device)
+        w = batches(train_stream, batch, SEQ_LEN, rng).to(device)
         with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=device == "cuda"):
             logits = model(input_ids=w[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), w[:, 1:].flatten())
@@ -195,7 +197,7 @@ def train(data: Path, out: Path, steps: int | None, minutes: float, seed: int, d
         step += 1
     log["steps"] = total
     log["train_seconds"] = round(time.time() - t0, 1)
-    log["tokens_seen"] = total * BATCH * SEQ_LEN
+    log["tokens_seen"] = total * batch * SEQ_LEN
     log["final_heldout_loss"] = round(mean_loss(model, heldout_windows(held_stream, SEQ_LEN), device), 4)
     print(f"final held-out loss {log['final_heldout_loss']:.4f} nats/token", flush=True)
     model.to("cpu").save_pretrained(out / "model")
@@ -220,7 +222,7 @@ def plot(log: dict, path: Path) -> None:
     held = np.asarray(log["heldout_loss"])
     ax.plot(held[:, 0], held[:, 1], "o-", color="tab:orange", ms=3, label="held-out loss (64 windows)")
     ax.axhline(math.log(4096), color="gray", ls="--", lw=0.8, label="uniform baseline ln(4096)")
-    ax.set_xlabel("step (batch 32 x 512 tokens)")
+    ax.set_xlabel(f"step (batch {log['batch']} x {log['seq_len']} tokens)")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title("tiny DeepSeek V4 on the Python standard library")
     ax.set_ylim(0, 9)
@@ -236,11 +238,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="fixed number of steps (default: calibrated from --minutes)")
     parser.add_argument("--minutes", type=float, default=3.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch", type=int, default=BATCH, help="windows per step")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.backends.cuda.matmul.allow_tf32 = True
     args.out.mkdir(parents=True, exist_ok=True)
-    log = train(args.data, args.out, args.steps, args.minutes, args.seed, device)
+    log = train(args.data, args.out, args.steps, args.minutes, args.seed, device, args.batch)
     plot(log, args.out / "loss.png")
 
 

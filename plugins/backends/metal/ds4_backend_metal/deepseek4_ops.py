@@ -1,0 +1,124 @@
+"""DeepSeek-V4-only ops (:mod:`ds4_model_deepseek4.ops`, :mod:`ds4_model_deepseek4.qat`) on MLX arrays."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import mlx.core as mx
+
+from ds4_core.backend import Weight
+
+from . import kernels
+from .ops import _dense
+
+F32 = mx.float32
+
+
+def _hc_mix(S: mx.array, fn: Weight, norm_eps: float) -> mx.array:
+    flat = S.reshape(S.shape[0], -1).astype(F32)
+    z = flat / mx.sqrt(mx.mean(flat * flat, axis=-1, keepdims=True) + norm_eps)
+    return mx.matmul(z, _dense(fn.data).T)
+
+
+def sinkhorn(logits: mx.array, iters: int, eps: float) -> mx.array:
+    """The mHC mixing matrix from ``logits [T, n, n]``: row softmax (+eps), column pass, then ``iters − 1``
+    row/column passes. The MLX-op path (and the reference of the custom ``sinkhorn`` kernel)."""
+    comb = mx.softmax(logits, axis=-1, precise=True) + eps
+    comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(axis=-1, keepdims=True) + eps)
+        comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
+    return comb
+
+
+def hc_pre(S: mx.array, fn: Weight, scale: Weight, base: Weight, iters: int, eps: float,
+           norm_eps: float) -> tuple[mx.array, mx.array, mx.array]:
+    """``S [T, n, D]`` -> (``c [T, D]``, ``post [T, n]``, ``comb [T, n, n]``), see the numpy reference."""
+    n = S.shape[1]
+    mix = _hc_mix(S, fn, norm_eps)
+    b, s = base.data.astype(F32), scale.data.astype(F32)
+    pre = mx.sigmoid(mix[:, :n] * s[0] + b[:n]) + eps
+    post = 2 * mx.sigmoid(mix[:, n:2 * n] * s[1] + b[n:2 * n])
+    logits = mix[:, 2 * n:].reshape(-1, n, n) * s[2] + b[2 * n:].reshape(n, n)
+    custom = kernels.active("sinkhorn")
+    comb = custom(logits, iters, eps) if custom is not None else sinkhorn(logits, iters, eps)
+    c = mx.einsum("tn,tnd->td", pre, S.astype(F32))
+    return c, post, comb
+
+
+def hc_post(S: mx.array, y: mx.array, post: mx.array, comb: mx.array) -> mx.array:
+    """``S'_k = post_k · y + Σ_i comb[i, k] · S_i``: ``S [T, n, D]`` -> ``[T, n, D]``."""
+    return post[:, :, None] * y[:, None, :] + mx.einsum("tik,tid->tkd", comb, S)
+
+
+def hc_head(S: mx.array, fn: Weight, scale: Weight, base: Weight, eps: float, norm_eps: float) -> mx.array:
+    """Final collapse of the streams ``S [T, n, D]`` -> ``[T, D]``."""
+    w = mx.sigmoid(_hc_mix(S, fn, norm_eps) * scale.data.astype(F32)[0] + base.data.astype(F32)) + eps
+    return mx.einsum("tn,tnd->td", w, S.astype(F32))
+
+
+def softmax_pool(kv: mx.array, gate: mx.array) -> mx.array:
+    """Per channel, softmax of ``gate`` over the slot axis weights ``kv``: ``[N, S, d]`` -> ``[N, d]``."""
+    p = mx.exp(gate - gate.max(axis=1, keepdims=True))
+    p = p / p.sum(axis=1, keepdims=True)
+    return mx.sum(p * kv, axis=1)
+
+
+# ------------------------------------------------------------ QAT roundings, exact through float bit patterns
+
+def _floor_log2(x: mx.array) -> mx.array:
+    """``floor(log2(x))`` of positive normal float32 ``x``, read from its exponent bits (int32)."""
+    return ((x.view(mx.uint32) >> 23) & 0xFF).astype(mx.int32) - 127
+
+
+def _exp2i(e: mx.array) -> mx.array:
+    """``2**e`` for int32 ``e`` in the normal range, built from its bits (float32)."""
+    return ((e + 127).astype(mx.uint32) << 23).view(F32)
+
+
+def _round_minifloat(x: mx.array, mantissa_bits: int, min_exp: int) -> mx.array:
+    mag = mx.abs(x)
+    exp = _floor_log2(mx.maximum(mag, 2.0 ** min_exp))
+    quantum = _exp2i(exp - mantissa_bits)
+    return mx.sign(x) * mx.round(mag / quantum) * quantum  # mx.round: ties to even, as np.rint
+
+
+def _block_round(x: mx.array, top: float, mantissa_bits: int, min_exp: int, amax_floor: float) -> mx.array:
+    amax = mx.maximum(mx.abs(x).max(axis=-1, keepdims=True), amax_floor)
+    ratio = amax / top
+    e = _floor_log2(ratio)
+    scale = _exp2i(mx.where(ratio > _exp2i(e), e + 1, e))  # 2**ceil(log2(ratio))
+    return _round_minifloat(mx.clip(x / scale, -top, top), mantissa_bits, min_exp) * scale
+
+
+def fp8_kv_round(x: mx.array, rope_dim: int, block: int = 64) -> mx.array:
+    """FP8 E4M3 round-trip of the leading ``d − rope_dim`` channels of ``x [..., d]`` in blocks of ``block``."""
+    nope = x.shape[-1] - rope_dim
+    parts = [_block_round(x[..., s:min(s + block, nope)], 448.0, 3, -6, 1e-4) for s in range(0, nope, block)]
+    return mx.concatenate([*parts, x[..., nope:]], axis=-1)
+
+
+@functools.cache
+def _hadamard(d: int) -> mx.array:
+    from ds4_model_deepseek4.qat import hadamard
+
+    return mx.array(hadamard(d))
+
+
+def fp4_hadamard_round(x: mx.array, block: int = 32) -> mx.array:
+    """Hadamard rotation of ``x [..., d]`` then an FP4 E2M1 round-trip in blocks of ``block``."""
+    d = x.shape[-1]
+    y = mx.matmul(x, _hadamard(d))
+    blocks = y.reshape(*y.shape[:-1], d // block, block)
+    return _block_round(blocks, 6.0, 1, 0, 6.0 * 2.0 ** -126).reshape(y.shape)
+
+
+DEEPSEEK4_OPS: dict[str, Callable] = {
+    "hc_pre": hc_pre,
+    "hc_post": hc_post,
+    "hc_head": hc_head,
+    "softmax_pool": softmax_pool,
+    "fp8_kv_round": fp8_kv_round,
+    "fp4_hadamard_round": fp4_hadamard_round,
+}

@@ -1,0 +1,194 @@
+"""Custom Metal kernels (sources in ``kernels/*.metal``) and the self-test that decides whether each may run.
+
+No Apple GPU is available to this project's CI, so a custom kernel is never trusted blindly: at backend start on a
+Mac, :func:`verify_and_enable` runs every kernel on small random inputs and compares it with its MLX-op path (the
+exact fallback). Only kernels that pass are enabled; a failing one is logged as a warning and the ops keep using
+the MLX-op path. Ops ask :func:`active` for a kernel and get ``None`` when it is not enabled.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Mapping
+from importlib import resources
+
+import attrs
+import mlx.core as mx
+import numpy as np
+
+from ds4_core.log import get_logger
+
+from .quant import RawBlocks, _iq2xxs_tables, dequantize_raw
+
+# Kernels that passed the self-test in this process, by name.
+_ENABLED: dict[str, Callable] = {}
+
+
+def active(name: str) -> Callable | None:
+    """The enabled implementation of custom kernel ``name``, or ``None`` (use the MLX-op path)."""
+    return _ENABLED.get(name)
+
+
+def metal_available() -> bool:
+    """True when MLX can run Metal kernels here (an Apple GPU)."""
+    try:
+        return bool(mx.metal.is_available())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _source(name: str) -> str:
+    return resources.files(__package__).joinpath("kernels", f"{name}.metal").read_text()
+
+
+# ------------------------------------------------------------ kernels and their MLX-op references
+
+def _gemv_reference(x: mx.array, blocks: mx.array, idx: mx.array, qtype: str) -> mx.array:
+    """``x [T, k|1, 1, in]`` times raw expert rows ``blocks[idx[t, j]]`` transposed -> ``[T, k, 1, out]``."""
+    chosen = dequantize_raw(RawBlocks(blocks[idx], qtype))
+    return mx.matmul(x, chosen.swapaxes(-1, -2))
+
+
+@functools.cache
+def _gemv_kernel(name: str) -> Callable:
+    inputs = ["x", "blocks", "expert"] + (["grid_table", "sign_table"] if name == "iq2_xxs_gemv" else [])
+    return mx.fast.metal_kernel(name=f"ds4_{name}", input_names=inputs, output_names=["y"], source=_source(name))
+
+
+def _gemv(name: str) -> Callable:
+    """The custom gathered-GEMV kernel ``name`` with the signature of :func:`_gemv_reference` (minus qtype)."""
+    def run(x: mx.array, blocks: mx.array, idx: mx.array) -> mx.array:
+        T, k = idx.shape
+        n_in, out, row_bytes = x.shape[-1], blocks.shape[-2], blocks.shape[-1]
+        rows = mx.broadcast_to(x.reshape(T, -1, n_in), (T, k, n_in)).reshape(T * k, n_in).astype(mx.float32)
+        tables = [t.reshape(-1) for t in _iq2xxs_tables()] if name == "iq2_xxs_gemv" else []
+        (y,) = _gemv_kernel(name)(
+            inputs=[rows, blocks, idx.reshape(-1).astype(mx.int32), *tables],
+            template=[("O", out), ("NB", n_in // 256), ("RB", row_bytes)],
+            grid=(32 * out, T * k, 1), threadgroup=(32, 1, 1),
+            output_shapes=[(T * k, out)], output_dtypes=[mx.float32])
+        return y.reshape(T, k, 1, out)
+    return run
+
+
+@functools.cache
+def _sinkhorn_kernel() -> Callable:
+    return mx.fast.metal_kernel(name="ds4_sinkhorn", input_names=["logits", "eps"], output_names=["comb"],
+                                source=_source("sinkhorn"))
+
+
+def _sinkhorn_metal(logits: mx.array, iters: int, eps: float) -> mx.array:
+    T, n, _ = logits.shape
+    (comb,) = _sinkhorn_kernel()(
+        inputs=[logits.astype(mx.float32), mx.array([eps], dtype=mx.float32)],
+        template=[("N", n), ("ITERS", iters)], grid=(T, 1, 1), threadgroup=(min(T, 256), 1, 1),
+        output_shapes=[(T, n, n)], output_dtypes=[mx.float32])
+    return comb
+
+
+def _sinkhorn_reference(logits: mx.array, iters: int, eps: float) -> mx.array:
+    from .deepseek4_ops import sinkhorn
+
+    return sinkhorn(logits, iters, eps)
+
+
+def _gemv_sample(qtype: str) -> Callable[[np.random.Generator], tuple]:
+    def sample(rng: np.random.Generator) -> tuple:
+        from ds4_core.quants import block_geometry, random_blocks
+
+        experts, out, n_in, T, k = 4, 8, 512, 3, 2
+        nbytes = block_geometry(qtype)[1] * (n_in // 256)
+        blocks = random_blocks(qtype, experts * out * n_in // 256, rng).reshape(experts, out, nbytes)
+        x = rng.standard_normal((T, 1, 1, n_in)).astype(np.float32)
+        idx = rng.integers(0, experts, (T, k)).astype(np.int32)
+        return mx.array(x), mx.array(blocks), mx.array(idx)
+    return sample
+
+
+def _sinkhorn_sample(rng: np.random.Generator) -> tuple:
+    return mx.array(rng.standard_normal((5, 4, 4)).astype(np.float32) * 3), 20, 1e-6
+
+
+@attrs.frozen
+class CustomKernel:
+    """A custom kernel: ``build()`` compiles it (Metal only); ``reference`` is its exact MLX-op path with the same
+    signature; ``sample(rng)`` makes small random arguments; outputs must agree within ``rtol``/``atol``."""
+
+    name: str
+    build: Callable[[], Callable]
+    reference: Callable
+    sample: Callable[[np.random.Generator], tuple]
+    rtol: float = 1e-4
+    atol: float = 1e-5
+
+
+KERNELS: dict[str, CustomKernel] = {k.name: k for k in (
+    CustomKernel("iq2_xxs_gemv", lambda: _gemv("iq2_xxs_gemv"),
+                 lambda x, b, i: _gemv_reference(x, b, i, "IQ2_XXS"), _gemv_sample("IQ2_XXS")),
+    CustomKernel("q2_k_gemv", lambda: _gemv("q2_k_gemv"),
+                 lambda x, b, i: _gemv_reference(x, b, i, "Q2_K"), _gemv_sample("Q2_K")),
+    CustomKernel("sinkhorn", lambda: _sinkhorn_metal, _sinkhorn_reference, _sinkhorn_sample),
+)}
+
+
+# ------------------------------------------------------------ the self-test
+
+@attrs.frozen
+class CheckResult:
+    """Outcome of one kernel's self-test: ``status`` is ``"passed"``, ``"failed"`` or ``"skipped"``."""
+
+    name: str
+    status: str
+    detail: str
+
+
+def check(kernel: CustomKernel, impl: Callable, seed: int = 0) -> CheckResult:
+    """Run ``impl`` and ``kernel.reference`` on the same random inputs and compare them."""
+    args = kernel.sample(np.random.default_rng(seed))
+    want = np.array(kernel.reference(*args))
+    try:
+        got = np.array(impl(*args))
+    except Exception as exc:  # a kernel that does not even compile or run is a failed kernel
+        return CheckResult(kernel.name, "failed", f"raised {type(exc).__name__}: {exc}")
+    if got.shape != want.shape:
+        return CheckResult(kernel.name, "failed", f"shape {got.shape}, expected {want.shape}")
+    if not np.isfinite(got).all():
+        return CheckResult(kernel.name, "failed", "non-finite output")
+    err = float(np.abs(got - want).max())
+    bound = kernel.atol + kernel.rtol * float(np.abs(want).max())
+    if err > bound:
+        return CheckResult(kernel.name, "failed", f"max error {err:.3g} exceeds {bound:.3g}")
+    return CheckResult(kernel.name, "passed", f"max error {err:.3g} (bound {bound:.3g})")
+
+
+def verify_and_enable(candidates: Mapping[str, Callable] | None = None,
+                      kernels: Iterable[CustomKernel] | None = None) -> list[CheckResult]:
+    """Self-test each custom kernel and enable exactly those that pass; return one result per kernel.
+
+    Implementations come from ``candidates`` (by name) when given, else from ``build()`` on a Metal device; without
+    Metal a kernel is ``skipped`` and stays disabled. Failures are logged as warnings.
+    """
+    candidates = dict(candidates or {})
+    has_metal = metal_available()
+    log = get_logger(backend="metal")
+    results = []
+    for kernel in kernels if kernels is not None else KERNELS.values():
+        _ENABLED.pop(kernel.name, None)
+        if kernel.name not in candidates and not has_metal:
+            results.append(CheckResult(kernel.name, "skipped", "no Metal device; the MLX-op path is used"))
+            continue
+        # Building is lazy (MLX compiles at the first call), so compile errors surface inside check().
+        impl = candidates.get(kernel.name) or kernel.build()
+        result = check(kernel, impl)
+        if result.status == "passed":
+            _ENABLED[kernel.name] = impl
+        else:
+            log.warning("custom Metal kernel disabled; using the exact MLX-op path", kernel=kernel.name,
+                        reason=result.detail)
+        results.append(result)
+    return results
+
+
+def disable_all() -> None:
+    """Disable every custom kernel (the MLX-op paths run)."""
+    _ENABLED.clear()

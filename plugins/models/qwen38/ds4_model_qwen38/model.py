@@ -1,0 +1,126 @@
+"""The Qwen3.8 Flash Next graph: ``hc`` residual streams mixed by hyper-connection sites around every sub-block.
+
+Streams start as copies of the token embedding; each layer optionally adds its PLE update, then a
+hyper-connection site feeds the delta-net or gated attention, another one the MoE; the final mixer (no
+norm) feeds the output head (spec §4.2–4.3).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ds4_core.backend import Ops, WeightLoader
+from ds4_core.errors import ContextError
+
+from .config import Qwen38Config
+from .layers import FLOAT, MATMUL, NORM, GatedAttention, GatedDeltaNet, MoE, PerLayerEmbedding
+from .ngram import NGramTable, ngram_row_ids
+from .state import Qwen38State, new_state, state_nbytes
+
+NGRAM_TABLE = "per_layer_token_embd.weight"
+
+
+class HyperConnection:
+    """One mixer site: ``{prefix}_norm``, ``_down``, ``_up`` and (inside a layer) ``_inject``."""
+
+    def __init__(self, w: WeightLoader, prefix: str, cfg: Qwen38Config, inject: bool):
+        nD, R = cfg.hc_count * cfg.hidden_size, cfg.hc_rank
+        self.eps = cfg.rms_norm_eps
+        self.norm = w.get(f"{prefix}_norm.weight", (nD,), NORM)
+        self.down = w.get(f"{prefix}_down.weight", (R, nD), FLOAT)
+        self.up = w.get(f"{prefix}_up.weight", (nD, R), FLOAT)
+        self.inject = w.get(f"{prefix}_inject.weight", (cfg.hc_count, nD), FLOAT) if inject else None
+
+    def __call__(self, ops: Ops, H: Any) -> tuple[Any, Any]:
+        """Streams ``H [T, n, D]`` -> (block input ``[T, D]``, injection weights ``[T, n]`` or ``None``)."""
+        return ops.hc_mix(H, self.norm, self.down, self.up, self.inject, self.eps)
+
+
+class Block:
+    """One decoder layer: [PLE] → site → delta-net or attention → site → MoE."""
+
+    def __init__(self, w: WeightLoader, ops: Ops, layer: int, cfg: Qwen38Config):
+        blk = f"blk.{layer}"
+        self.hc_attn = HyperConnection(w, f"{blk}.hc_attn", cfg, inject=True)
+        self.hc_ffn = HyperConnection(w, f"{blk}.hc_ffn", cfg, inject=True)
+        self.mixer: GatedAttention | GatedDeltaNet = (GatedAttention(w, blk, cfg, ops) if cfg.is_attention(layer)
+                                                      else GatedDeltaNet(w, blk, cfg, ops))
+        self.ple = PerLayerEmbedding(w, blk, cfg, ops) if layer in cfg.ple_layers else None
+        self.ffn = MoE(w, blk, cfg)
+
+    def __call__(self, ops: Ops, H: Any, pos: Any, ls: Any, p0: int, ngram: Any | None) -> Any:
+        """Streams ``H [T, n, D]`` -> ``[T, n, D]``; ``ngram [T, E]`` are this layer's n-gram rows (PLE layers)."""
+        if self.ple is not None:
+            H = H + self.ple(ops, H, ngram, ls)
+        x, inject = self.hc_attn(ops, H)
+        y = self.mixer(ops, x, pos, ls, p0) if isinstance(self.mixer, GatedAttention) else self.mixer(ops, x, ls)
+        H = H + inject[:, :, None] * y[:, None, :]
+        x, inject = self.hc_ffn(ops, H)
+        return H + inject[:, :, None] * self.ffn(ops, x)[:, None, :]
+
+
+class Qwen38Model:
+    """A loaded Qwen3.8 model (satisfies :class:`ds4_core.model.Model`).
+
+    ``ngram_table`` is the on-disk n-gram table (``None`` without PLE layers); its rows are read per chunk,
+    before any state changes, so a failed read leaves the session as it was.
+    """
+
+    family = "qwen38"
+
+    def __init__(self, w: WeightLoader, ops: Ops, cfg: Qwen38Config, ngram_table: NGramTable | None):
+        D, V = cfg.hidden_size, cfg.vocab_size
+        self.cfg, self.ops, self.ngram_table = cfg, ops, ngram_table
+        self.vocab_size, self.max_context = V, cfg.context_length
+        self.token_embd = w.get("token_embd.weight", (V, D), MATMUL)
+        self.blocks = [Block(w, ops, layer, cfg) for layer in range(cfg.num_layers)]
+        self.output_hc = HyperConnection(w, "output_hc", cfg, inject=False)
+        self.output = w.get("output.weight", (V, D), MATMUL)
+        heads, n = cfg.ple_heads, cfg.ngram_size
+        self._hash = [(np.array(cfg.ple_multipliers[i * n:(i + 1) * n], np.int64),
+                       np.array(cfg.ple_head_sizes[i * heads:(i + 1) * heads], np.int64),
+                       np.array(cfg.ple_head_offsets[i * heads:(i + 1) * heads], np.int64))
+                      for i in range(len(cfg.ple_layers))]
+
+    def new_state(self, ctx: int) -> Qwen38State:
+        """Empty state for a context of ``ctx`` tokens."""
+        return new_state(self.cfg, ctx, self.ops.xp)
+
+    def state_nbytes(self, ctx: int) -> int:
+        return state_nbytes(self.cfg, ctx)
+
+    def ngram_embeddings(self, history: np.ndarray, ids: np.ndarray) -> list[np.ndarray]:
+        """Per PLE layer, the concatenated n-gram rows ``[T, E]`` of ``ids`` after ``history`` (reads the disk)."""
+        cfg, table = self.cfg, self.ngram_table
+        out = []
+        for multipliers, sizes, offsets in self._hash:
+            rows = ngram_row_ids(history, ids, cfg.ple_eos, multipliers, sizes, offsets, cfg.heads_per_ngram)
+            out.append(table.lookup(rows).reshape(len(ids), -1))
+        return out
+
+    def forward(self, ids: Any, state: Qwen38State) -> Any:
+        """Feed ids ``[T]`` (T ≥ 1) after the ``state.n_tokens`` tokens fed so far; return logits ``[T, V]``."""
+        ops, xp, cfg = self.ops, self.ops.xp, self.cfg
+        T, p0 = len(ids), state.n_tokens
+        if T < 1:
+            raise ContextError("forward needs at least one token")
+        if p0 + T > state.ctx:
+            raise ContextError(f"{p0 + T} tokens do not fit the context of {state.ctx}; start a new session "
+                               "or load the model with a larger --ctx")
+        host_ids = np.asarray(ids, dtype=np.int64)
+        ngrams = self.ngram_embeddings(state.ngram_history, host_ids) if self._hash else []
+        ple_rows = dict(zip(cfg.ple_layers, (ops.backend.asarray(e) for e in ngrams), strict=True))
+
+        ids = ops.backend.asarray(host_ids, dtype=xp.int32)
+        pos = xp.arange(p0, p0 + T, dtype=xp.int32)
+        x = ops.embed(self.token_embd, ids)
+        H = xp.repeat(x[:, None, :], cfg.hc_count, axis=1)
+        for layer, block in enumerate(self.blocks):
+            H = block(ops, H, pos, state.layers[layer], p0, ple_rows.get(layer))
+        h, _ = self.output_hc(ops, H)
+        if state.ngram_history.size:
+            state.ngram_history = np.concatenate([state.ngram_history, host_ids])[-state.ngram_history.size:]
+        state.n_tokens = p0 + T
+        return ops.linear(h, self.output)
