@@ -8,11 +8,11 @@ import subprocess
 import sys
 
 import numpy as np
+from ds4_model_deepseek4.config import DeepSeekV4Config
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter
 
 from ds4_core.quants import tensor_nbytes
-from ds4_model_deepseek4.config import DeepSeekV4Config
 
 FLASH = dict(vocab_size=129280, hidden_size=4096, num_layers=43, context_length=1048576, num_heads=64,
              num_kv_heads=1, head_dim=512, value_dim=512, rope_dim=64, q_lora_rank=1024, o_lora_rank=1024,
@@ -41,7 +41,8 @@ def flash_tensors() -> list[tuple[str, tuple[int, ...], Q]]:
               (f"{b}attn_kv_a_norm.weight", (512,), Q.F32), (f"{b}attn_sinks.weight", (64,), Q.F32),
               (f"{b}attn_output_a.weight", (8192, D), Q.Q8_0), (f"{b}attn_output_b.weight", (D, 8192), Q.Q8_0),
               (f"{b}ffn_gate_inp.weight", (E, D), Q.F16),
-              (f"{b}ffn_gate_exps.weight", (E, 2048, D), Q.IQ2_XXS), (f"{b}ffn_up_exps.weight", (E, 2048, D), Q.IQ2_XXS),
+              (f"{b}ffn_gate_exps.weight", (E, 2048, D), Q.IQ2_XXS),
+              (f"{b}ffn_up_exps.weight", (E, 2048, D), Q.IQ2_XXS),
               (f"{b}ffn_down_exps.weight", (E, D, 2048), Q.Q2_K),
               (f"{b}ffn_gate_shexp.weight", (2048, D), Q.Q8_0), (f"{b}ffn_up_shexp.weight", (2048, D), Q.Q8_0),
               (f"{b}ffn_down_shexp.weight", (D, 2048), Q.Q8_0)]
