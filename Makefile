@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml $(addsuffix /pyproject.toml,$(PLUGIN_DIRS))
 	touch $@
 
 run: $(STAMP)
-	$(BIN)/ds4 run -p "def fibonacci(n):" -n 48
+	$(BIN)/ds4 run --raw -p "import os" -n 64 --temp 0.8 --seed 1
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2

@@ -62,6 +62,10 @@ class Backend:
         """Bytes in use / peak on the device, where known."""
         return {}
 
+    def free_memory(self) -> int | None:
+        """Bytes still available for decoding state on this backend's device (``None``: unknown)."""
+        return None
+
 
 class Ops:
     """The op vocabulary bound to one backend: ``ops.linear(x, w)`` calls its kernel."""

@@ -107,3 +107,12 @@ def test_stop_scanner_never_shows_a_stop_string(pieces, stops, shown, hit):
     if found is None:
         out += scanner.flush()
     assert (out, found) == (shown, hit)
+
+
+def test_context_that_does_not_fit_in_memory_is_refused_with_the_numbers(engine, monkeypatch):
+    from ds4_core.backends.numpy import NumpyBackend
+
+    need = engine.model.state_nbytes(engine.ctx)
+    monkeypatch.setattr(NumpyBackend, "free_memory", lambda self: need - 1)
+    with pytest.raises(ContextError, match="GiB of decoding state"):
+        Engine.load(engine.path, backend="numpy", ctx=engine.ctx)

@@ -28,3 +28,14 @@ class NumpyBackend(Backend):
         else:
             data = dequantize(raw, QUANT_NAMES[qtype], shape)
         return Weight(name, qtype, shape, data)
+
+    def free_memory(self) -> int | None:
+        """``MemAvailable`` of the host (Linux), else unknown."""
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return None

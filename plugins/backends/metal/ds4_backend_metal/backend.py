@@ -57,7 +57,13 @@ class MetalBackend(Backend):
         return Weight(name, qtype, tuple(shape), to_mlx(qtype, tuple(shape), host))
 
     def asarray(self, a: Any, dtype: Any = None) -> Any:
-        return self.xp.array(np.asarray(a) if not isinstance(a, self.xp.array) else a, dtype=dtype)
+        """A host array as an ``mx.array``; float64 becomes float32 (Apple GPUs have no float64)."""
+        if isinstance(a, self.xp.array):
+            return a if dtype is None else a.astype(dtype)
+        host = np.asarray(a)
+        if dtype is None and host.dtype == np.float64:
+            dtype = self.xp.float32
+        return self.xp.array(host, dtype=dtype)
 
     def to_numpy(self, a: Any) -> np.ndarray:
         return np.array(a)

@@ -24,7 +24,7 @@ def register_models(register: Callable[[ModelSpec], None]) -> None:
         converter="ds4_model_deepseek4.convert:convert",
         ops=GRAPH_OPS,
         describe="ds4_model_deepseek4.describe:describe",
-        tiny="ds4_model_deepseek4.tiny:ensure_default_model",
+        tiny="ds4_model_deepseek4.tiny:trained_model",
         description="DeepSeek V4 Flash / V4.1 Flash / V4 PRO",
     ))
 

@@ -244,8 +244,14 @@ def shipped_tokenizer_json() -> str:
     return resources.files(__package__).joinpath("data/tiny_tokenizer.json").read_text(encoding="utf-8")
 
 
+def trained_model(cache_dir: str | Path | None = None) -> Path:
+    """The shipped tiny DeepSeek V4 trained on Python's standard library (``ds4 run``'s default; see its card
+    ``data/tiny-deepseek4.md``). ``cache_dir`` is unused: the file ships with the package."""
+    return Path(__file__).parent / "data" / "tiny-deepseek4.gguf"
+
+
 def ensure_default_model(cache_dir: str | Path) -> Path:
-    """Path of the built-in tiny random-weight DeepSeek V4 GGUF in ``cache_dir``, building it first if absent.
+    """Path of a 2 MB random-weight DeepSeek V4 GGUF in ``cache_dir`` (a fast test fixture), built first if absent.
 
     Needs neither torch nor tokenizers; deterministic (seed :data:`DEFAULT_MODEL_SEED`); written atomically,
     so concurrent callers at worst build it twice.
