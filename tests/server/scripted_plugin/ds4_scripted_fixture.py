@@ -27,7 +27,9 @@ from ds4_core.tokenizer import BYTE_TO_CHAR, Tokenizer
 DS4_PLUGIN_API = 1
 ARCH = "scripted"
 CONTROL = ("<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")
-MARKERS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "[[", "]]")
+MARKERS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
+#: Script delimiters are ordinary BPE tokens: they reach the model from user text, which never yields specials.
+SCRIPT = ("[[", "]]")
 DEFAULT_REPLY = "Hello from the scripted model."
 
 
@@ -41,8 +43,8 @@ def write_scripted_gguf(path: str | Path, *, ctx: int = 1024, delay_ms: int = 0,
     """Write the scripted model's GGUF (tokenizer + one dummy tensor) to ``path``."""
     from ds4_core.testing.gguf_files import write_gguf
 
-    tokens = [*CONTROL, *MARKERS, *BYTE_TO_CHAR, "th", "the"]
-    types = [3] * len(CONTROL) + [4] * len(MARKERS) + [1] * (len(BYTE_TO_CHAR) + 2)
+    tokens = [*CONTROL, *MARKERS, *BYTE_TO_CHAR, "th", "the", *SCRIPT]
+    types = [3] * len(CONTROL) + [4] * len(MARKERS) + [1] * (len(BYTE_TO_CHAR) + 2 + len(SCRIPT))
     metadata = {
         "general.name": name,
         "scripted.context_length": ctx,
@@ -51,7 +53,7 @@ def write_scripted_gguf(path: str | Path, *, ctx: int = 1024, delay_ms: int = 0,
         "tokenizer.ggml.pre": "qwen35",
         "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.token_type": types,
-        "tokenizer.ggml.merges": ["t h", "th e"],
+        "tokenizer.ggml.merges": ["t h", "th e", "[ [", "] ]"],
         "tokenizer.ggml.bos_token_id": 0,
         "tokenizer.ggml.eos_token_id": 1,
     }
@@ -77,7 +79,7 @@ class ScriptedModel:
         self.vocab_size = tokenizer.vocab_size
         self.max_context = ctx
         self.delay_s = delay_s
-        self.ids = {t: tokenizer.token_id(t) for t in (*CONTROL, *MARKERS)}
+        self.ids = {t: tokenizer.token_id(t) for t in (*CONTROL, *MARKERS, *SCRIPT)}
         self.default_reply = self._reply_ids(DEFAULT_REPLY)
 
     def _reply_ids(self, text: str) -> np.ndarray:

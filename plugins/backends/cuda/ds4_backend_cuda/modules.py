@@ -1,12 +1,15 @@
 """Compilation of the ``.cu`` sources through ``cupy.RawModule`` (NVRTC), once per process.
 
-CuPy keys its on-disk kernel cache by source text and options, so an unchanged source compiles once per
-machine; :func:`warm` forces that compilation at load time rather than at the first token.
+Each weight format gets its own module (five kernels), so the formats compile in parallel threads and a
+process that needs one format compiles only that one. CuPy keys its on-disk kernel cache by source text and
+options, so an unchanged source compiles once per machine; :func:`warm` forces that at load time rather than
+at the first token.
 """
 
 from __future__ import annotations
 
 import functools
+from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from typing import Any
 
@@ -14,7 +17,9 @@ import numpy as np
 
 #: Weight formats the quant kernels are instantiated for (the struct names in kernels/quant.cu).
 QUANT_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q2_K", "IQ2_XXS", "MXFP4")
-_QUANT_KERNELS = ("gemv", "moe_gemv", "dequant_rows")
+#: Kernel names of :func:`quant_kernel` -> template instantiation in quant.cu (``Q`` is the format struct).
+QUANT_KERNELS: dict[str, str] = {"gemv1": "gemv<Q, 1>", "gemv8": "gemv<Q, 8>", "moe_gemv": "moe_gemv<Q>",
+                                 "moe_gate_up": "moe_gate_up<Q>", "dequant_rows": "dequant_rows<Q>"}
 _OPTIONS = ("--std=c++17",)
 
 
@@ -23,28 +28,42 @@ def source(name: str) -> str:
     return resources.files(__package__).joinpath("kernels", name).read_text(encoding="utf-8")
 
 
+def _expression(kernel: str, qtype: str) -> str:
+    return QUANT_KERNELS[kernel].replace("Q", qtype, 1)
+
+
 @functools.cache
-def quant_module() -> Any:
-    """The compiled ``quant.cu`` with every (kernel, format) instantiation, IQ2_XXS grid filled in."""
+def quant_module(qtype: str) -> Any:
+    """The compiled ``quant.cu`` with the kernels of format ``qtype`` (IQ2_XXS: grid table filled in)."""
     import cupy
 
-    from ds4_core.quants import _iq2xxs_tables
-
-    names = [f"{kernel}<{qtype}>" for kernel in _QUANT_KERNELS for qtype in QUANT_TYPES]
+    names = [_expression(kernel, qtype) for kernel in QUANT_KERNELS]
     module = cupy.RawModule(code=source("quant.cu"), options=_OPTIONS, name_expressions=names)
-    grid, _ = _iq2xxs_tables()
-    table = cupy.ndarray((grid.size,), cupy.uint8, module.get_global("iq2xxs_grid"))
-    table[...] = cupy.asarray(grid.astype(np.uint8).reshape(-1))
+    if qtype == "IQ2_XXS":
+        from ds4_core.quants import _iq2xxs_tables
+
+        grid, _ = _iq2xxs_tables()
+        table = cupy.ndarray((grid.size,), cupy.uint8, module.get_global("iq2xxs_grid"))
+        table[...] = cupy.asarray(grid.astype(np.uint8).reshape(-1))
+    for name in names:  # compile now (RawModule compiles lazily), inside the caller's thread
+        module.get_function(name)
     return module
 
 
 def quant_kernel(kernel: str, qtype: str) -> Any:
-    """The ``cupy.RawKernel`` of ``kernel`` (gemv, moe_gemv, dequant_rows) for weight format ``qtype``."""
-    return quant_module().get_function(f"{kernel}<{qtype}>")
+    """The ``cupy.RawKernel`` ``kernel`` (a key of :data:`QUANT_KERNELS`) for weight format ``qtype``."""
+    return quant_module(qtype).get_function(_expression(kernel, qtype))
 
 
 def warm() -> None:
-    """Compile (or load from CuPy's cache) every module now."""
-    for qtype in QUANT_TYPES:
-        for kernel in _QUANT_KERNELS:
-            quant_kernel(kernel, qtype)
+    """Compile (or load from CuPy's cache) every format's module now, the formats in parallel."""
+    import cupy
+
+    device = cupy.cuda.Device().id
+
+    def build(qtype: str) -> None:
+        with cupy.cuda.Device(device):
+            quant_module(qtype)
+
+    with ThreadPoolExecutor(max_workers=len(QUANT_TYPES)) as pool:
+        list(pool.map(build, QUANT_TYPES))

@@ -1,11 +1,13 @@
 """The core op vocabulary on CUDA: same signatures as :mod:`ds4_core.ops`, arrays are CuPy float32.
 
 Quantized matrices are read as raw GGUF blocks: up to :data:`GEMV_TOKENS` tokens go through the GEMV
-kernels (one warp per output row); longer inputs dequantize row chunks to float32 and use cuBLAS.
+kernels (each warp streams four rows through shared memory with 16-byte loads); longer inputs dequantize row
+chunks to float32 and use cuBLAS. Routed experts read only the selected experts, gate and up in one fused pass.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import cupy as cp
@@ -24,7 +26,16 @@ GEMV_MAX_TOKENS = 32
 MOE_PAIR_LIMIT = 64
 #: Elements dequantized per chunk on the matmul path (bounds scratch memory to 256 MiB).
 DEQUANT_CHUNK = 1 << 26
-_ROWS_PER_BLOCK = 4
+#: Rows per warp and warps per block of the GEMV kernels (GEMV_ROWS, GEMV_WARPS in quant.cu).
+ROWS_PER_WARP = 4
+WARPS_PER_BLOCK = 8
+#: Blocks per multiprocessor a GEMV aims for before it splits rows over several warps.
+_WAVES = 2
+#: Blocks of one row that a warp stages at once (CHUNK in quant.cu) and bytes per block.
+_CHUNK_BLOCKS = {"F32": 32, "F16": 64, "BF16": 64, "Q8_0": 32, "Q4_0": 64, "Q4_K": 8, "Q6_K": 4, "Q2_K": 12,
+                 "IQ2_XXS": 16, "MXFP4": 64}
+_BLOCK_ELEMS = {"F32": 8, "F16": 8, "BF16": 8, "Q8_0": 32, "Q4_0": 32, "Q4_K": 256, "Q6_K": 256, "Q2_K": 256,
+                "IQ2_XXS": 256, "MXFP4": 32}
 _THREADS = 256
 
 
@@ -34,6 +45,64 @@ def _i32(v: int) -> np.int32:
 
 def _i64(v: int) -> np.int64:
     return np.int64(v)
+
+
+@functools.cache
+def _multiprocessors(device: int) -> int:
+    return cp.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
+
+
+def _splits(qtype: str, nrows: int, ncols: int) -> int:
+    """Warps that share one row group (1, 2, 4 or 8): enough blocks to fill the device, at most one per chunk."""
+    chunks = -(-ncols // (_BLOCK_ELEMS[qtype] * _CHUNK_BLOCKS[qtype]))
+    target = _WAVES * _multiprocessors(cp.cuda.Device().id)
+    splits = 1
+    while (splits < WARPS_PER_BLOCK and 2 * splits <= chunks
+           and -(-nrows // (WARPS_PER_BLOCK // splits * ROWS_PER_WARP)) < target):
+        splits *= 2
+    return splits
+
+
+def gemv_launch(raw: Any, qtype: str, ncols: int, x: Any, ntok: int, y: Any, x_stride: int | None = None,
+                group_rows: int | None = None) -> tuple[Any, tuple[int, ...], tuple[int, ...], tuple]:
+    """(kernel, grid, block, args) of ``y[t, r] = W[r] . x[t]`` for ``t < ntok <= GEMV_TOKENS``.
+
+    ``raw``: ``[R, row bytes]``; ``x``: float32 with token ``t`` at ``x[t * x_stride:]`` (default ``ncols``);
+    ``y``: float32 ``[ntok, R]``. ``group_rows`` (a multiple of :data:`ROWS_PER_WARP`): row ``r`` reads the
+    activation ``x[t * x_stride + (r // group_rows) * ncols:]`` (a block-diagonal projection).
+    """
+    nrows = raw.shape[0]
+    splits = _splits(qtype, nrows, ncols)
+    rows_per_block = WARPS_PER_BLOCK // splits * ROWS_PER_WARP
+    kernel = quant_kernel("gemv1" if ntok == 1 else "gemv8", qtype)
+    args = (raw, _i64(raw.shape[1]), _i32(nrows), _i32(ncols), x, _i64(ncols if x_stride is None else x_stride),
+            _i32(nrows if group_rows is None else group_rows), _i32(ntok), y, _i32(splits))
+    return kernel, (-(-nrows // rows_per_block),), (32 * WARPS_PER_BLOCK,), args
+
+
+def moe_gemv_launch(w: Weight, idx: Any, x: Any, x_div: int, y: Any) -> tuple[Any, tuple[int, ...], tuple[int, ...],
+                                                                             tuple]:
+    """(kernel, grid, block, args) of ``y[p] = W_{idx[p]} @ x[p // x_div]``: ``w [E, R, C]``, ``y [P, R]``."""
+    _, nrows, ncols = w.shape
+    row_bytes = w.data.shape[1]
+    grid = (-(-nrows // (WARPS_PER_BLOCK * ROWS_PER_WARP)), idx.shape[0])
+    args = (w.data, _i64(nrows * row_bytes), _i64(row_bytes), _i32(nrows), _i32(ncols), idx, x, _i32(x_div), y)
+    return quant_kernel("moe_gemv", w.qtype), grid, (32 * WARPS_PER_BLOCK,), args
+
+
+def moe_gate_up_launch(gate: Weight, up: Weight, idx: Any, x: Any, x_div: int, limit: float,
+                       h: Any) -> tuple[Any, tuple[int, ...], tuple[int, ...], tuple]:
+    """(kernel, grid, block, args) of ``h[p] = swiglu(G_{idx[p]} x, U_{idx[p]} x)``, ``x = x[p // x_div]``.
+
+    ``gate``, ``up``: ``[E, R, C]`` of one format; ``h``: float32 ``[P, R]``. One pass reads both matrices.
+    """
+    _, nrows, ncols = gate.shape
+    row_bytes = gate.data.shape[1]
+    warps = WARPS_PER_BLOCK // 2
+    grid = (-(-nrows // (warps * ROWS_PER_WARP)), idx.shape[0])
+    args = (gate.data, up.data, _i64(nrows * row_bytes), _i64(row_bytes), _i32(nrows), _i32(ncols), idx, x,
+            _i32(x_div), F32(limit), h)
+    return quant_kernel("moe_gate_up", gate.qtype), grid, (32 * warps,), args
 
 
 def _float_rows(raw: Any, qtype: str, ncols: int) -> Any:
@@ -52,21 +121,13 @@ def dequantize_rows(raw: Any, qtype: str, ncols: int, rows: Any = None) -> Any:
         return values if rows is None else values[rows]
     n = raw.shape[0] if rows is None else rows.shape[0]
     out = cp.empty((n, ncols), dtype=F32)
-    units = n * ncols // _unit(qtype)
+    units = n * ncols // 8
     if units:
         rows_arg = np.uint64(0) if rows is None else cp.ascontiguousarray(rows, dtype=cp.int32)
         quant_kernel("dequant_rows", qtype)(
             ((units + _THREADS - 1) // _THREADS,), (_THREADS,),
             (raw, _i64(raw.shape[1]), _i32(ncols), rows_arg, _i32(n), out))
     return out
-
-
-_UNITS = {"F32": 8, "F16": 8, "BF16": 8, "Q8_0": 8, "Q4_0": 32, "Q4_K": 64, "Q6_K": 16, "Q2_K": 16,
-          "IQ2_XXS": 8, "MXFP4": 32}
-
-
-def _unit(qtype: str) -> int:
-    return _UNITS[qtype]
 
 
 def values(w: Weight) -> Any:
@@ -84,12 +145,10 @@ def matmul_raw(x: Any, raw: Any, qtype: str, ncols: int) -> Any:
     if T == 0 or nrows == 0:
         return out
     if ncols % 8 == 0 and T <= GEMV_MAX_TOKENS:
-        kernel = quant_kernel("gemv", qtype)
-        grid = ((nrows + _ROWS_PER_BLOCK - 1) // _ROWS_PER_BLOCK,)
         for t0 in range(0, T, GEMV_TOKENS):
             n = min(GEMV_TOKENS, T - t0)
-            kernel(grid, (32 * _ROWS_PER_BLOCK,),
-                   (raw, _i64(raw.shape[1]), _i32(nrows), _i32(ncols), x[t0:t0 + n], _i32(n), out[t0:t0 + n]))
+            kernel, grid, block, args = gemv_launch(raw, qtype, ncols, x[t0:t0 + n], n, out[t0:t0 + n])
+            kernel(grid, block, args)
         return out
     step = max(1, DEQUANT_CHUNK // ncols)
     for r0 in range(0, nrows, step):
@@ -115,6 +174,11 @@ def grouped_linear(x: Any, w: Weight) -> Any:
     T, groups, ncols = x.shape
     rows = w.shape[0] // groups
     out = cp.empty((T, groups, rows), dtype=F32)
+    if T <= GEMV_TOKENS and rows % ROWS_PER_WARP == 0 and ncols % 8 == 0 and T > 0:
+        x = cp.ascontiguousarray(x, dtype=F32)
+        kernel, grid, block, args = gemv_launch(w.data, w.qtype, ncols, x, T, out, groups * ncols, rows)
+        kernel(grid, block, args)
+        return out
     for g in range(groups):
         out[:, g] = matmul_raw(x[:, g], w.data[g * rows:(g + 1) * rows], w.qtype, ncols)
     return out
@@ -203,15 +267,21 @@ def moe_route(logits: Any, bias: Weight | None, k: int, routed_scale: float,
 
 def _expert_gemv(w: Weight, idx: Any, x: Any, x_div: int) -> Any:
     """``y[p] = W_{idx[p]} @ x[p // x_div]`` for flat pair ids ``idx [P]`` -> ``[P, rows]``."""
-    _, nrows, ncols = w.shape
-    pairs = idx.shape[0]
-    y = cp.empty((pairs, nrows), dtype=F32)
-    row_bytes = w.data.shape[1]
-    quant_kernel("moe_gemv", w.qtype)(
-        ((nrows + _ROWS_PER_BLOCK - 1) // _ROWS_PER_BLOCK, pairs), (32 * _ROWS_PER_BLOCK,),
-        (w.data, _i64(nrows * row_bytes), _i64(row_bytes), _i32(nrows), _i32(ncols), idx,
-         cp.ascontiguousarray(x, dtype=F32), _i32(x_div), y))
+    y = cp.empty((idx.shape[0], w.shape[1]), dtype=F32)
+    kernel, grid, block, args = moe_gemv_launch(w, idx, cp.ascontiguousarray(x, dtype=F32), x_div, y)
+    kernel(grid, block, args)
     return y
+
+
+def _expert_gate_up(gate: Weight, up: Weight, idx: Any, x: Any, x_div: int, limit: float) -> Any:
+    """``swiglu(G_{idx[p]} x, U_{idx[p]} x)`` with ``x = x[p // x_div]``, fused when both share a format."""
+    if gate.qtype != up.qtype or gate.shape != up.shape:
+        return swiglu(_expert_gemv(gate, idx, x, x_div), _expert_gemv(up, idx, x, x_div), limit)
+    h = cp.empty((idx.shape[0], gate.shape[1]), dtype=F32)
+    kernel, grid, block, args = moe_gate_up_launch(gate, up, idx, cp.ascontiguousarray(x, dtype=F32), x_div, limit,
+                                                   h)
+    kernel(grid, block, args)
+    return h
 
 
 def moe_experts(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, idx: Any, weights: Any,
@@ -225,7 +295,7 @@ def moe_experts(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, i
     k = idx.shape[1]
     if T * k <= MOE_PAIR_LIMIT or gate_exps.shape[2] % 8 or down_exps.shape[2] % 8:
         flat = cp.ascontiguousarray(idx.reshape(-1), dtype=cp.int32)
-        h = swiglu(_expert_gemv(gate_exps, flat, x, k), _expert_gemv(up_exps, flat, x, k), swiglu_limit)
+        h = _expert_gate_up(gate_exps, up_exps, flat, x, k, swiglu_limit)
         y = _expert_gemv(down_exps, flat, h, 1).reshape(T, k, D)
         return cp.einsum("tkd,tk->td", y, cp.asarray(weights, dtype=F32))
     return _moe_grouped(x, gate_exps, up_exps, down_exps, idx, weights, swiglu_limit)

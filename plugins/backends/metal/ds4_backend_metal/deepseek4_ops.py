@@ -32,6 +32,10 @@ def sinkhorn(logits: mx.array, iters: int, eps: float) -> mx.array:
     return comb
 
 
+# Twenty tiny row/column passes are dozens of ops per token: one compiled graph cuts their dispatch overhead.
+_sinkhorn_compiled = mx.compile(sinkhorn)
+
+
 def hc_pre(S: mx.array, fn: Weight, scale: Weight, base: Weight, iters: int, eps: float,
            norm_eps: float) -> tuple[mx.array, mx.array, mx.array]:
     """``S [T, n, D]`` -> (``c [T, D]``, ``post [T, n]``, ``comb [T, n, n]``), see the numpy reference."""
@@ -42,7 +46,7 @@ def hc_pre(S: mx.array, fn: Weight, scale: Weight, base: Weight, iters: int, eps
     post = 2 * mx.sigmoid(mix[:, n:2 * n] * s[1] + b[n:2 * n])
     logits = mix[:, 2 * n:].reshape(-1, n, n) * s[2] + b[2 * n:].reshape(n, n)
     custom = kernels.active("sinkhorn")
-    comb = custom(logits, iters, eps) if custom is not None else sinkhorn(logits, iters, eps)
+    comb = custom(logits, iters, eps) if custom is not None else _sinkhorn_compiled(logits, iters, eps)
     c = mx.einsum("tn,tnd->td", pre, S.astype(F32))
     return c, post, comb
 

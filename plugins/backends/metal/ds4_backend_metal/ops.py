@@ -77,7 +77,7 @@ def rms_norm(x: mx.array, w: Weight | None, eps: float) -> mx.array:
 
 
 def rope(x: mx.array, positions: mx.array, inv_freq: Any, inverse: bool = False) -> mx.array:
-    """Interleaved RoPE on the trailing ``2·len(inv_freq)`` channels of ``x [T, ..., d]`` (see :func:`ds4_core.ops.rope`)."""
+    """Interleaved RoPE on the trailing ``2·len(inv_freq)`` channels of ``x [T, ..., d]`` (as ``ds4_core.ops.rope``)."""
     inv_freq = mx.array(inv_freq, dtype=F32) if not isinstance(inv_freq, mx.array) else inv_freq
     half = inv_freq.shape[0]
     angles = mx.array(positions).astype(F32)[:, None] * inv_freq[None, :]
@@ -126,7 +126,11 @@ def _attend(q: mx.array, kv: mx.array, idx: mx.array, sinks: Weight | None, scal
 
 
 def sparse_attention(q: mx.array, kv: mx.array, idx: mx.array, sinks: Weight | None, scale: float) -> mx.array:
-    """Each query over its own rows ``idx [T, K]`` (``-1`` = none) of a shared K=V table ``kv [N, d]`` -> ``[T, H, d]``."""
+    """Each query ``q [T, H, d]`` over its rows ``idx [T, K]`` (``-1`` = none) of a K=V table ``kv [N, d]``.
+
+    Returns ``[T, H, d]``. ``sinks [H]`` (or ``None``) join each softmax denominator without a value; scores are
+    ``(q·k) · scale``.
+    """
     q, kv = q.astype(F32), kv.astype(F32)
     parts = [_attend(q[s:s + _QUERY_BLOCK], kv, idx[s:s + _QUERY_BLOCK], sinks, scale)
              for s in range(0, q.shape[0], _QUERY_BLOCK)]

@@ -83,42 +83,58 @@ class _Builder:
         self.launches: list[Launch] = []
         self.outputs: list[Any] = []
 
-    def gemv(self, qtype: str, rows: int, ncols: int) -> None:
-        from ds4_backend_cuda.modules import quant_kernel
+    def gemv(self, qtype: str, rows: int, ncols: int, groups: int = 1) -> None:
+        """One launch of the backend's GEMV; ``groups > 1``: a block-diagonal projection (one x per group)."""
+        from ds4_backend_cuda.ops import gemv_launch
 
         cp = self.cp
-        w = device_blocks(qtype, rows, ncols)
-        x = cp.asarray(self.rng.standard_normal(ncols, dtype=np.float32))
-        y = cp.empty(rows, dtype=cp.float32)
+        w = device_blocks(qtype, groups * rows, ncols)
+        x = cp.asarray(self.rng.standard_normal(groups * ncols, dtype=np.float32))
+        y = cp.empty(groups * rows, dtype=cp.float32)
         self.outputs.append(y)
-        self.launches.append(Launch(quant_kernel("gemv", qtype), ((rows + 3) // 4,), (128,),
-                                    (w, np.int64(w.shape[1]), np.int32(rows), np.int32(ncols), x, np.int32(1), y),
-                                    w.nbytes))
+        kernel, grid, block, args = gemv_launch(w, qtype, ncols, x, 1, y, groups * ncols,
+                                                rows if groups > 1 else None)
+        self.launches.append(Launch(kernel, grid, block, args, w.nbytes))
+
+    def _experts(self, qtype: str, experts: int, rows: int, ncols: int) -> Any:
+        from ds4_core.backend import Weight
+
+        return Weight("w", qtype, (experts, rows, ncols), device_blocks(qtype, experts * rows, ncols))
+
+    def gate_up(self, qtype: str, experts: int, rows: int, ncols: int, idx: Any, x: Any) -> Any:
+        """The fused routed gate/up/SwiGLU launch for the pairs ``idx`` against one token ``x [1, ncols]``."""
+        from ds4_backend_cuda.ops import moe_gate_up_launch
+
+        gate, up = (self._experts(qtype, experts, rows, ncols) for _ in range(2))
+        pairs = idx.shape[0]
+        h = self.cp.empty((pairs, rows), dtype=self.cp.float32)
+        self.outputs.append(h)
+        kernel, grid, block, args = moe_gate_up_launch(gate, up, idx, x, pairs, 0.0, h)
+        self.launches.append(Launch(kernel, grid, block, args, 2 * pairs * rows * gate.data.shape[1]))
+        return h
 
     def experts(self, qtype: str, experts: int, rows: int, ncols: int, idx: Any, x: Any) -> Any:
-        from ds4_backend_cuda.modules import quant_kernel
+        """One routed-expert GEMV launch: pair ``p`` reads expert ``idx[p]`` against ``x[p]`` (or the one row)."""
+        from ds4_backend_cuda.ops import moe_gemv_launch
 
-        cp = self.cp
-        w = device_blocks(qtype, experts * rows, ncols)
+        w = self._experts(qtype, experts, rows, ncols)
         pairs = idx.shape[0]
-        y = cp.empty((pairs, rows), dtype=cp.float32)
+        y = self.cp.empty((pairs, rows), dtype=self.cp.float32)
         self.outputs.append(y)
-        row_bytes = w.shape[1]
-        x_div = pairs if x.shape[0] == 1 else 1
-        self.launches.append(Launch(quant_kernel("moe_gemv", qtype), ((rows + 3) // 4, pairs), (128,),
-                                    (w, np.int64(rows * row_bytes), np.int64(row_bytes), np.int32(rows),
-                                     np.int32(ncols), idx, x, np.int32(x_div), y),
-                                    pairs * rows * row_bytes))
+        kernel, grid, block, args = moe_gemv_launch(w, idx, x, pairs if x.shape[0] == 1 else 1, y)
+        self.launches.append(Launch(kernel, grid, block, args, pairs * rows * w.data.shape[1]))
         return y
 
 
 def build_decode_step(recipe: str, layers: int, shapes: dict[str, int] = FLASH, seed: int = 0) -> Step:
     """The weight-streaming part of one batch-1 decode step of a DeepSeek V4 with ``shapes``.
 
-    Per layer: the two HC mixes, Q8_0 attention projections (q_a, q_b, kv, 8 grouped o_a, o_b), the F16
-    compressor/indexer projections of CSA (even layers ≥ 2) and HCA (odd ≥ 3) layers, the F16 router, ``k``
-    routed experts (ids read on the device) and the Q8_0 shared expert; then the HC head and the Q8_0 output head.
-    Attention over the cache and the elementwise glue are not included.
+    Per layer: the two HC mixes, Q8_0 attention projections (q_a, q_b, kv, the 8 grouped o_a in one launch, o_b),
+    the F16 compressor/indexer projections of CSA (even layers ≥ 2) and HCA (odd ≥ 3) layers, the F16 router,
+    ``k`` routed experts (ids read on the device; gate/up/SwiGLU fused in one launch, then down) and the Q8_0
+    shared expert; then the HC head and the Q8_0 output head. The launches are the backend's own
+    (:func:`ds4_backend_cuda.ops.gemv_launch` and friends). Attention over the cache and the elementwise glue are
+    not included.
     """
     import cupy as cp
 
@@ -141,15 +157,17 @@ def build_decode_step(recipe: str, layers: int, shapes: dict[str, int] = FLASH, 
                 b.gemv("F16", s["index_heads"], D)
                 b.gemv("F16", 2 * s["index_dim"], D)
                 b.gemv("F16", 2 * s["index_dim"], D)
-        for _ in range(s["o_groups"]):
-            b.gemv("Q8_0", s["o_lora"], s["heads"] * s["head_dim"] // s["o_groups"])
+        b.gemv("Q8_0", s["o_lora"], s["heads"] * s["head_dim"] // s["o_groups"], s["o_groups"])
         b.gemv("Q8_0", D, s["o_groups"] * s["o_lora"])
         b.gemv("F16", (2 + n) * n, n * D)
         b.gemv("F16", E, D)
         idx = cp.asarray(rng.choice(E, k, replace=False).astype(np.int32))
         x = cp.asarray(rng.standard_normal((1, D), dtype=np.float32))
-        b.experts(gate_t, E, inter, D, idx, x)
-        h = b.experts(up_t, E, inter, D, idx, x)
+        if gate_t == up_t:
+            h = b.gate_up(gate_t, E, inter, D, idx, x)
+        else:
+            b.experts(gate_t, E, inter, D, idx, x)
+            h = b.experts(up_t, E, inter, D, idx, x)
         b.experts(down_t, E, D, inter, idx, h)
         b.gemv("Q8_0", inter, D)
         b.gemv("Q8_0", inter, D)

@@ -1,15 +1,16 @@
 // Quantized-weight kernels over raw GGUF blocks (compiled by NVRTC through cupy.RawModule).
 //
-// Each weight format is a struct: QK elements and BYTES bytes per block, and UNIT consecutive
-// elements that one thread decodes at a time (`decode(block, part, v)` writes elements
-// part*UNIT .. part*UNIT+UNIT-1 of the block into v). Float formats use blocks of UNIT elements.
-// The arithmetic follows ds4_core/quants.py (the numpy oracle) operation for operation.
+// Each weight format is a struct: QK elements and BYTES bytes per block, decoded 8 consecutive elements at a
+// time (`decode(block, part, v)` writes elements 8*part .. 8*part+7 of the block into v), and CHUNK, the blocks
+// of one row that a warp stages in shared memory at once (about 1 KB). The arithmetic follows
+// ds4_core/quants.py (the numpy oracle) operation for operation.
 
 #include <cuda_fp16.h>
 
 typedef unsigned char u8;
 typedef unsigned short u16;
 typedef unsigned int u32;
+typedef unsigned long long u64;
 
 // IQ2_XXS magnitudes: 256 grid rows of 8 values (8, 25 or 43), filled from the host once per module.
 __device__ __align__(16) u8 iq2xxs_grid[256 * 8];
@@ -23,17 +24,55 @@ __device__ __forceinline__ u16 u16_at(const u8* p) {  // p is 2-byte aligned
     return *reinterpret_cast<const u16*>(p);
 }
 
+__device__ __forceinline__ u32 u32_at(const u8* p) {  // p is 4-byte aligned
+    return *reinterpret_cast<const u32*>(p);
+}
+
+// Integer -> float without the quarter-rate I2F: byte i of w placed under the exponent of 2^23 gives 2^23 + byte.
+__device__ __forceinline__ float byte_plus_2p23(u32 w, int i) {
+    return __int_as_float(__byte_perm(w, 0x4B000000u, 0x7440 + i));
+}
+
+// Unsigned bytes of (w0, w1) dotted with 8 activations, each byte minus `bias` (exact: small integers).
+__device__ __forceinline__ float bytes_dot(u32 w0, u32 w1, float bias, float4 a, float4 b) {
+    const float k = 8388608.0f + bias;
+    return (byte_plus_2p23(w0, 0) - k) * a.x + (byte_plus_2p23(w0, 1) - k) * a.y +
+           (byte_plus_2p23(w0, 2) - k) * a.z + (byte_plus_2p23(w0, 3) - k) * a.w +
+           (byte_plus_2p23(w1, 0) - k) * b.x + (byte_plus_2p23(w1, 1) - k) * b.y +
+           (byte_plus_2p23(w1, 2) - k) * b.z + (byte_plus_2p23(w1, 3) - k) * b.w;
+}
+
+__device__ __forceinline__ float dot8(const float* v, float4 a, float4 b) {
+    return v[0] * a.x + v[1] * a.y + v[2] * a.z + v[3] * a.w + v[4] * b.x + v[5] * b.y + v[6] * b.z + v[7] * b.w;
+}
+
+// dot(b, part, a, b, xsum): the 8 elements of `part` dotted with activations (a, b), whose sum is xsum when
+// XSUM (formats with a min term). Formats without their own use their decode.
+template <class Q>
+__device__ __forceinline__ float dot_by_decode(const u8* blk, int part, float4 a, float4 b) {
+    float v[8];
+    Q::decode(blk, part, v);
+    return dot8(v, a, b);
+}
+
+#define DOT_BY_DECODE(Q)                                                                                  \
+    static constexpr bool XSUM = false;                                                                  \
+    static __device__ __forceinline__ float dot(const u8* blk, int part, float4 a, float4 b, float) {    \
+        return dot_by_decode<Q>(blk, part, a, b);                                                          \
+    }
+
 struct F32 {
-    static constexpr int QK = 8, BYTES = 32, UNIT = 8;
+    static constexpr int QK = 8, BYTES = 32, CHUNK = 32;
     static __device__ __forceinline__ void decode(const u8* b, int, float* v) {
         const float4* p = reinterpret_cast<const float4*>(b);
         float4 a = p[0], c = p[1];
         v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = c.x; v[5] = c.y; v[6] = c.z; v[7] = c.w;
     }
+    DOT_BY_DECODE(F32)
 };
 
 struct F16 {
-    static constexpr int QK = 8, BYTES = 16, UNIT = 8;
+    static constexpr int QK = 8, BYTES = 16, CHUNK = 64;
     static __device__ __forceinline__ void decode(const u8* b, int, float* v) {
         uint4 q = *reinterpret_cast<const uint4*>(b);
         u32 w[4] = {q.x, q.y, q.z, q.w};
@@ -43,10 +82,11 @@ struct F16 {
             v[2 * i + 1] = __half2float(__ushort_as_half((u16)(w[i] >> 16)));
         }
     }
+    DOT_BY_DECODE(F16)
 };
 
 struct BF16 {
-    static constexpr int QK = 8, BYTES = 16, UNIT = 8;
+    static constexpr int QK = 8, BYTES = 16, CHUNK = 64;
     static __device__ __forceinline__ void decode(const u8* b, int, float* v) {
         uint4 q = *reinterpret_cast<const uint4*>(b);
         u32 w[4] = {q.x, q.y, q.z, q.w};
@@ -56,11 +96,12 @@ struct BF16 {
             v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
         }
     }
+    DOT_BY_DECODE(BF16)
 };
 
-// d (f16), 32 int8 codes. A unit is 8 codes, so four neighbouring lanes read one block's codes contiguously.
+// d (f16), 32 int8 codes.
 struct Q8_0 {
-    static constexpr int QK = 32, BYTES = 34, UNIT = 8;
+    static constexpr int QK = 32, BYTES = 34, CHUNK = 32;
     static __device__ __forceinline__ void decode(const u8* b, int part, float* v) {
         float d = half_at(b);
 #pragma unroll
@@ -70,28 +111,42 @@ struct Q8_0 {
             v[2 * i + 1] = (float)(signed char)(two >> 8) * d;
         }
     }
+    static constexpr bool XSUM = false;
+    static __device__ __forceinline__ float dot(const u8* b, int part, float4 xa, float4 xb, float) {
+        const u8* q = b + 2 + 8 * part;
+        u32 w0 = ((u32)u16_at(q) | ((u32)u16_at(q + 2) << 16)) ^ 0x80808080u;  // int8 + 128
+        u32 w1 = ((u32)u16_at(q + 4) | ((u32)u16_at(q + 6) << 16)) ^ 0x80808080u;
+        return half_at(b) * bytes_dot(w0, w1, 128.0f, xa, xb);
+    }
 };
 
 // d (f16), 16 bytes: element i < 16 is the low nibble of byte i, element 16 + i its high nibble; minus 8.
 struct Q4_0 {
-    static constexpr int QK = 32, BYTES = 18, UNIT = 32;
-    static __device__ __forceinline__ void decode(const u8* b, int, float* v) {
+    static constexpr int QK = 32, BYTES = 18, CHUNK = 64;
+    static __device__ __forceinline__ void decode(const u8* b, int part, float* v) {
         float d = half_at(b);
+        int shift = 4 * (part >> 1);
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            u16 two = u16_at(b + 2 + 2 * i);
-            v[2 * i] = (float)((int)(two & 0xF) - 8) * d;
-            v[2 * i + 1] = (float)((int)((two >> 8) & 0xF) - 8) * d;
-            v[16 + 2 * i] = (float)((int)((two >> 4) & 0xF) - 8) * d;
-            v[16 + 2 * i + 1] = (float)((int)(two >> 12) - 8) * d;
+        for (int i = 0; i < 4; i++) {
+            u16 two = u16_at(b + 2 + 8 * (part & 1) + 2 * i);
+            v[2 * i] = (float)((int)((two >> shift) & 0xF) - 8) * d;
+            v[2 * i + 1] = (float)((int)((two >> (8 + shift)) & 0xF) - 8) * d;
         }
+    }
+    static constexpr bool XSUM = false;
+    static __device__ __forceinline__ float dot(const u8* b, int part, float4 xa, float4 xb, float) {
+        const u8* q = b + 2 + 8 * (part & 1);
+        int shift = 4 * (part >> 1);
+        u32 w0 = (((u32)u16_at(q) | ((u32)u16_at(q + 2) << 16)) >> shift) & 0x0F0F0F0Fu;
+        u32 w1 = (((u32)u16_at(q + 4) | ((u32)u16_at(q + 6) << 16)) >> shift) & 0x0F0F0F0Fu;
+        return half_at(b) * bytes_dot(w0, w1, 8.0f, xa, xb);
     }
 };
 
-// d, dmin (f16), 12 bytes of 6-bit scales/mins, 128 bytes of nibbles. A unit is 64 elements: sub-blocks
-// 2g (low nibbles of bytes 32g..32g+31) and 2g+1 (their high nibbles).
+// d, dmin (f16), 12 bytes of 6-bit scales/mins, 128 bytes of nibbles: elements 64g .. 64g+31 are the low
+// nibbles of bytes 32g .. 32g+31 (sub-block 2g), elements 64g+32 .. 64g+63 their high nibbles (sub-block 2g+1).
 struct Q4_K {
-    static constexpr int QK = 256, BYTES = 144, UNIT = 64;
+    static constexpr int QK = 256, BYTES = 144, CHUNK = 8;
     static __device__ __forceinline__ void scale_min(const u8* p, int s, int& sc, int& m) {
         if (s < 4) {
             sc = p[s] & 63;
@@ -101,66 +156,79 @@ struct Q4_K {
             m = (p[s + 4] >> 4) | ((p[s] >> 6) << 4);
         }
     }
-    static __device__ __forceinline__ void decode(const u8* b, int g, float* v) {
-        float d = half_at(b), dmin = half_at(b + 2);
-        int sc0, m0, sc1, m1;
-        scale_min(b + 4, 2 * g, sc0, m0);
-        scale_min(b + 4, 2 * g + 1, sc1, m1);
-        float a0 = d * (float)sc0, o0 = dmin * (float)m0, a1 = d * (float)sc1, o1 = dmin * (float)m1;
-        const uint4* q = reinterpret_cast<const uint4*>(b + 16 + 32 * g);
-        uint4 h0 = q[0], h1 = q[1];
-        u32 w[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+    static __device__ __forceinline__ void decode(const u8* b, int part, float* v) {
+        int s = part >> 2, g = s >> 1, shift = 4 * (s & 1);
+        int sc, m;
+        scale_min(b + 4, s, sc, m);
+        float a = half_at(b) * (float)sc, o = half_at(b + 2) * (float)m;
+        uint2 q = *reinterpret_cast<const uint2*>(b + 16 + 32 * g + 8 * (part & 3));
 #pragma unroll
-        for (int i = 0; i < 32; i++) {
-            u32 byte = (w[i / 4] >> (8 * (i % 4))) & 0xFF;
-            v[i] = a0 * (float)(byte & 0xF) - o0;
-            v[32 + i] = a1 * (float)(byte >> 4) - o1;
+        for (int i = 0; i < 8; i++) {
+            u32 byte = ((i < 4 ? q.x : q.y) >> (8 * (i % 4))) & 0xFF;
+            v[i] = a * (float)((byte >> shift) & 0xF) - o;
         }
+    }
+    static constexpr bool XSUM = true;
+    static __device__ __forceinline__ float dot(const u8* b, int part, float4 xa, float4 xb, float xsum) {
+        int s = part >> 2, g = s >> 1, shift = 4 * (s & 1);
+        int sc, m;
+        scale_min(b + 4, s, sc, m);
+        uint2 q = *reinterpret_cast<const uint2*>(b + 16 + 32 * g + 8 * (part & 3));
+        float dot = bytes_dot((q.x >> shift) & 0x0F0F0F0Fu, (q.y >> shift) & 0x0F0F0F0Fu, 0.0f, xa, xb);
+        return half_at(b) * (float)sc * dot - half_at(b + 2) * (float)m * xsum;
     }
 };
 
-// 128 bytes low nibbles, 64 bytes high bit pairs, 16 int8 scales, d (f16). A unit is the 16 elements of one
-// scale: element e = 128h + 32q + l takes the nibble (q >> 1) of ql[64h + 32(q & 1) + l] and bits 2q of qh[32h + l].
+// 128 bytes low nibbles, 64 bytes high bit pairs, 16 int8 scales, d (f16): element e = 128h + 32q + l takes
+// the nibble (q >> 1) of ql[64h + 32(q & 1) + l] and bits 2q of qh[32h + l]; its scale is e / 16.
 struct Q6_K {
-    static constexpr int QK = 256, BYTES = 210, UNIT = 16;
+    static constexpr int QK = 256, BYTES = 210, CHUNK = 4;
     static __device__ __forceinline__ void decode(const u8* b, int part, float* v) {
-        int e0 = 16 * part, h = e0 / 128, q = (e0 % 128) / 32, l0 = e0 % 32;
-        float a = half_at(b + 208) * (float)(signed char)b[192 + part];
+        int e0 = 8 * part, h = e0 / 128, q = (e0 % 128) / 32, l0 = e0 % 32;
+        float a = half_at(b + 208) * (float)(signed char)b[192 + part / 2];
         const u8* ql = b + 64 * h + 32 * (q & 1) + l0;
         const u8* qh = b + 128 + 32 * h + l0;
 #pragma unroll
-        for (int i = 0; i < 16; i++) {
+        for (int i = 0; i < 8; i++) {
             int low = (ql[i] >> (4 * (q >> 1))) & 0xF;
             int high = (qh[i] >> (2 * q)) & 3;
             v[i] = a * (float)((low | (high << 4)) - 32);
         }
     }
+    DOT_BY_DECODE(Q6_K)
 };
 
-// 16 scale bytes (low nibble scale, high nibble min), 64 bytes of 2-bit codes, d, dmin (f16). A unit is the
-// 16 elements of one scale byte: element e = 128h + 32j + l is bits 2j of qs[32h + l].
+// 16 scale bytes (low nibble scale, high nibble min), 64 bytes of 2-bit codes, d, dmin (f16): element
+// e = 128h + 32j + l is bits 2j of qs[32h + l]; its scale byte is e / 16.
 struct Q2_K {
-    static constexpr int QK = 256, BYTES = 84, UNIT = 16;
+    static constexpr int QK = 256, BYTES = 84, CHUNK = 12;
     static __device__ __forceinline__ void decode(const u8* b, int part, float* v) {
-        int e0 = 16 * part, h = e0 / 128, j = (e0 % 128) / 32, l0 = e0 % 32;
-        float d = half_at(b + 80), dmin = half_at(b + 82);
-        u8 packed = b[part];
-        float a = d * (float)(packed & 0xF), o = dmin * (float)(packed >> 4);
-        const u32* q = reinterpret_cast<const u32*>(b + 16 + 32 * h + l0);
-        u32 w[4] = {q[0], q[1], q[2], q[3]};
+        int e0 = 8 * part, h = e0 / 128, j = (e0 % 128) / 32, l0 = e0 % 32;
+        u8 packed = b[part / 2];
+        float a = half_at(b + 80) * (float)(packed & 0xF), o = half_at(b + 82) * (float)(packed >> 4);
+        u32 w[2] = {u32_at(b + 16 + 32 * h + l0), u32_at(b + 20 + 32 * h + l0)};
 #pragma unroll
-        for (int i = 0; i < 16; i++) {
+        for (int i = 0; i < 8; i++) {
             u32 byte = (w[i / 4] >> (8 * (i % 4))) & 0xFF;
             v[i] = a * (float)((byte >> (2 * j)) & 3) - o;
         }
     }
+    static constexpr bool XSUM = true;
+    static __device__ __forceinline__ float dot(const u8* b, int part, float4 xa, float4 xb, float xsum) {
+        int e0 = 8 * part, h = e0 / 128, j = (e0 % 128) / 32, l0 = e0 % 32;
+        u8 packed = b[part / 2];
+        u32 w0 = (u32_at(b + 16 + 32 * h + l0) >> (2 * j)) & 0x03030303u;
+        u32 w1 = (u32_at(b + 20 + 32 * h + l0) >> (2 * j)) & 0x03030303u;
+        return half_at(b + 80) * (float)(packed & 0xF) * bytes_dot(w0, w1, 0.0f, xa, xb) -
+               half_at(b + 82) * (float)(packed >> 4) * xsum;
+    }
 };
 
 // d (f16), then 8 groups of 8 bytes: 4 grid indices and a u32 holding four 7-bit sign indices and a
-// 4-bit scale. A unit is the 8 elements of one grid index (part = 4 * group + k); the eighth sign bit
-// makes the minus count even.
+// 4-bit scale. Part = 4 * group + k is the 8 elements of grid index k; the eighth sign bit makes the minus
+// count even.
 struct IQ2_XXS {
-    static constexpr int QK = 256, BYTES = 66, UNIT = 8;
+    static constexpr int QK = 256, BYTES = 66, CHUNK = 16;
     static __device__ __forceinline__ void decode(const u8* b, int part, float* v) {
         int g = part / 4, k = part % 4;
         const u8* p = b + 2 + 8 * g;
@@ -177,29 +245,46 @@ struct IQ2_XXS {
             v[i] = (signs >> i) & 1 ? -value : value;
         }
     }
-};
-
-// E8M0 scale byte, 16 bytes of E2M1 codes (low nibbles: elements 0-15, high nibbles: 16-31).
-struct MXFP4 {
-    static constexpr int QK = 32, BYTES = 17, UNIT = 32;
-    static __device__ __forceinline__ void decode(const u8* b, int, float* v) {
-        const float values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
-        float scale = ldexpf(1.0f, (int)b[0] - 128);
+    static constexpr bool XSUM = false;
+    // Signs flip the activations (sign bit xor), magnitudes go through byte_plus_2p23.
+    static __device__ __forceinline__ float dot(const u8* b, int part, float4 xa, float4 xb, float) {
+        int g = part / 4, k = part % 4;
+        const u8* p = b + 2 + 8 * g;
+        u32 aux = (u32)u16_at(p + 4) | ((u32)u16_at(p + 6) << 16);
+        float scale = half_at(b) * ((float)(aux >> 28) + 0.5f) * 0.25f;
+        u32 signs = (aux >> (7 * k)) & 127;
+        signs |= (__popc(signs) & 1) << 7;
+        uint2 mags = *reinterpret_cast<const uint2*>(iq2xxs_grid + 8 * p[k]);
+        float x[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+        float s = 0.f;
 #pragma unroll
-        for (int i = 0; i < 16; i++) {
-            u8 byte = b[1 + i];
-            v[i] = values[byte & 0xF] * scale;
-            v[16 + i] = values[byte >> 4] * scale;
+        for (int i = 0; i < 8; i++) {
+            float xi = __int_as_float(__float_as_int(x[i]) ^ ((signs << (31 - i)) & 0x80000000u));
+            s += (byte_plus_2p23(i < 4 ? mags.x : mags.y, i % 4) - 8388608.0f) * xi;
         }
+        return scale * s;
     }
 };
 
-template <class Q>
-__device__ __forceinline__ const u8* unit_block(const u8* row, int u, int& part) {
-    constexpr int PARTS = Q::QK / Q::UNIT;
-    part = u % PARTS;
-    return row + (long long)(u / PARTS) * Q::BYTES;
+// E2M1 code -> value: magnitudes 0, 1, 2, 3, 4, 6, 8, 12 (computed, so no indexed local table), bit 3 the sign.
+__device__ __forceinline__ float e2m1(u32 n) {
+    int m = n & 7;
+    float mag = m < 4 ? (float)m : (float)((4 + 2 * (m & 1)) << ((m >> 1) - 2));
+    return n & 8 ? -mag : mag;
 }
+
+// E8M0 scale byte, 16 bytes of E2M1 codes (low nibbles: elements 0-15, high nibbles: 16-31).
+struct MXFP4 {
+    static constexpr int QK = 32, BYTES = 17, CHUNK = 64;
+    static __device__ __forceinline__ void decode(const u8* b, int part, float* v) {
+        float scale = ldexpf(1.0f, (int)b[0] - 128);
+        int shift = 4 * (part >> 1);
+        const u8* q = b + 1 + 8 * (part & 1);
+#pragma unroll
+        for (int i = 0; i < 8; i++) v[i] = e2m1((q[i] >> shift) & 0xF) * scale;
+    }
+    DOT_BY_DECODE(MXFP4)
+};
 
 __device__ __forceinline__ float warp_sum(float s) {
 #pragma unroll
@@ -207,97 +292,229 @@ __device__ __forceinline__ float warp_sum(float s) {
     return s;
 }
 
+// Weights are streamed once: 16-byte loads that skip L1, so the activations stay cached there.
+__device__ __forceinline__ uint4 load_stream(const u8* p) {
+    return __ldcs(reinterpret_cast<const uint4*>(p));
+}
+
 #define MAX_TOKENS 8
 
-// y[t, r] = sum_c W[r, c] x[t, c] for t < ntok <= MAX_TOKENS. One warp per row r; blockDim.x = 32 * rows per block.
-template <class Q>
-__global__ void gemv(const u8* __restrict__ w, long long row_bytes, int nrows, int ncols,
-                     const float* __restrict__ x, int ntok, float* __restrict__ y) {
-    int lane = threadIdx.x & 31;
-    int r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    if (r >= nrows) return;
-    const u8* row = w + (long long)r * row_bytes;
-    float acc[MAX_TOKENS];
+// One warp's dot products of R weight rows with NT activation vectors, staged through shared memory.
+//
+// The warp walks its rows' chunks ks, ks + KS, ... (CHUNK blocks of each row). A chunk is fetched with 16-byte
+// loads over the aligned span that covers it, spread across all 32 lanes and all R rows (coalesced whatever the
+// block size), into registers; while the lanes decode one chunk from shared memory the loads of the next are in
+// flight. Rows are any R pointers (rows of one matrix, or gate and up rows of one expert).
+template <class Q, int R, int NT>
+struct WarpDot {
+    static constexpr int SEGS = Q::CHUNK * Q::BYTES / 16 + 2;  // 16-byte slots per row: chunk + alignment slack
+    static constexpr int SLOTS = R * SEGS;
+    static constexpr int LOADS = (SLOTS + 31) / 32;  // 16-byte loads per lane per chunk
+    static constexpr int PARTS = Q::QK / 8;
+
+    // acc[j][t] += row_j . x_t, x_t = x + t * x_stride (t < ntok <= NT). stage: this warp's SLOTS slots.
+    static __device__ __forceinline__ void run(const u8* const (&row)[R], int ncols, const float* __restrict__ x,
+                                               long long x_stride, int ntok, int ks, int KS, uint4* stage,
+                                               float (&acc)[R][NT]) {
+        int lane = threadIdx.x & 31;
+        int nblocks = ncols / Q::QK;
+        int nchunks = (nblocks + Q::CHUNK - 1) / Q::CHUNK;
+        uint4 buf[LOADS];
+        if (ks < nchunks) fetch(row, ks, nblocks, lane, buf);
+        for (int c = ks; c < nchunks; c += KS) {
+            __syncwarp();
 #pragma unroll
-    for (int t = 0; t < MAX_TOKENS; t++) acc[t] = 0.f;
-    int units = ncols / Q::UNIT;
-    for (int u = lane; u < units; u += 32) {
-        int part;
-        const u8* blk = unit_block<Q>(row, u, part);
-        float v[Q::UNIT];
-        Q::decode(blk, part, v);
-        const float* xu = x + (long long)u * Q::UNIT;
+            for (int i = 0; i < LOADS; i++) {
+                int slot = lane + 32 * i;
+                if (slot < SLOTS) stage[slot] = buf[i];
+            }
+            __syncwarp();
+            if (c + KS < nchunks) fetch(row, c + KS, nblocks, lane, buf);
+            int b0 = c * Q::CHUNK;
+            int nb = min(Q::CHUNK, nblocks - b0);
+            int skew[R];
 #pragma unroll
-        for (int t = 0; t < MAX_TOKENS; t++) {
-            if (t < ntok) {
-                const float4* xt = reinterpret_cast<const float4*>(xu + (long long)t * ncols);
-                float s = 0.f;
+            for (int j = 0; j < R; j++) skew[j] = (int)(reinterpret_cast<u64>(row[j] + (long long)b0 * Q::BYTES) & 15);
+            const u8* base = reinterpret_cast<const u8*>(stage);
+            for (int u = lane; u < nb * PARTS; u += 32) {
+                int blk = u / PARTS, part = u % PARTS;
+                const float* xu = x + (long long)b0 * Q::QK + 8 * u;
+                if constexpr (NT == 1) {
+                    const float4* xv = reinterpret_cast<const float4*>(xu);
+                    float4 xa = xv[0], xb = xv[1];
+                    float xs = Q::XSUM ? xa.x + xa.y + xa.z + xa.w + xb.x + xb.y + xb.z + xb.w : 0.f;
 #pragma unroll
-                for (int i = 0; i < Q::UNIT / 4; i++) {
-                    float4 xv = xt[i];
-                    s += v[4 * i] * xv.x + v[4 * i + 1] * xv.y + v[4 * i + 2] * xv.z + v[4 * i + 3] * xv.w;
+                    for (int j = 0; j < R; j++)
+                        acc[j][0] += Q::dot(base + j * SEGS * 16 + skew[j] + blk * Q::BYTES, part, xa, xb, xs);
+                } else {
+#pragma unroll
+                    for (int j = 0; j < R; j++) {
+                        float v[8];
+                        Q::decode(base + j * SEGS * 16 + skew[j] + blk * Q::BYTES, part, v);
+#pragma unroll
+                        for (int t = 0; t < NT; t++) {
+                            if (t < ntok) {
+                                const float4* xv = reinterpret_cast<const float4*>(xu + t * x_stride);
+                                acc[j][t] += dot8(v, xv[0], xv[1]);
+                            }
+                        }
+                    }
                 }
-                acc[t] += s;
             }
         }
     }
+
+    static __device__ __forceinline__ void fetch(const u8* const (&row)[R], int c, int nblocks, int lane,
+                                                 uint4 (&buf)[LOADS]) {
+        int b0 = c * Q::CHUNK;
+        int len = min(Q::CHUNK, nblocks - b0) * Q::BYTES;
+        const u8* start[R];
+        int count[R];
 #pragma unroll
-    for (int t = 0; t < MAX_TOKENS; t++) {
-        if (t < ntok) {
-            float s = warp_sum(acc[t]);
-            if (lane == 0) y[(long long)t * nrows + r] = s;
+        for (int j = 0; j < R; j++) {
+            const u8* s = row[j] + (long long)b0 * Q::BYTES;
+            start[j] = reinterpret_cast<const u8*>(reinterpret_cast<u64>(s) & ~(u64)15);
+            count[j] = (int)((reinterpret_cast<u64>(s) + len + 15) / 16 - reinterpret_cast<u64>(start[j]) / 16);
         }
+#pragma unroll
+        for (int i = 0; i < LOADS; i++) {
+            int slot = lane + 32 * i, j = slot / SEGS, k = slot - j * SEGS;
+            const u8* p = nullptr;
+            int n = 0;
+#pragma unroll
+            for (int jj = 0; jj < R; jj++) {
+                if (jj == j) {
+                    p = start[jj];
+                    n = count[jj];
+                }
+            }
+            if (slot < SLOTS && k < n) buf[i] = load_stream(p + 16 * k);
+        }
+    }
+};
+
+#define GEMV_WARPS 8
+#define GEMV_ROWS 4
+
+// y[t, r] = sum_c W[r, c] x_t[g(r), c] for t < ntok <= NT, where x_t[g] = x + t * x_stride + g * ncols and
+// g(r) = r / group_rows (grouped projections; group_rows = nrows otherwise, a multiple of GEMV_ROWS if grouped).
+// A block is GEMV_WARPS warps: GEMV_WARPS / KS groups of GEMV_ROWS rows, each row group split over KS warps
+// by chunks and summed in a fixed order (deterministic).
+template <class Q, int NT>
+__global__ void __launch_bounds__(32 * GEMV_WARPS) gemv(
+        const u8* __restrict__ w, long long row_bytes, int nrows, int ncols, const float* __restrict__ x,
+        long long x_stride, int group_rows, int ntok, float* __restrict__ y, int KS) {
+    using D = WarpDot<Q, GEMV_ROWS, NT>;
+    __shared__ uint4 stage[GEMV_WARPS][D::SLOTS];
+    __shared__ float partial[GEMV_WARPS][GEMV_ROWS * NT];
+    int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    int groups = GEMV_WARPS / KS, rg = warp / KS, ks = warp % KS;
+    int r0 = (blockIdx.x * groups + rg) * GEMV_ROWS;
+    const u8* row[GEMV_ROWS];
+#pragma unroll
+    for (int j = 0; j < GEMV_ROWS; j++) row[j] = w + (long long)min(r0 + j, nrows - 1) * row_bytes;
+    float acc[GEMV_ROWS][NT];
+#pragma unroll
+    for (int j = 0; j < GEMV_ROWS; j++)
+#pragma unroll
+        for (int t = 0; t < NT; t++) acc[j][t] = 0.f;
+    const float* xg = x + (long long)(min(r0, nrows - 1) / group_rows) * ncols;
+    D::run(row, ncols, xg, x_stride, ntok, ks, KS, stage[warp], acc);
+#pragma unroll
+    for (int j = 0; j < GEMV_ROWS; j++)
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            float s = warp_sum(acc[j][t]);
+            if (lane == 0) partial[warp][j * NT + t] = s;
+        }
+    __syncthreads();
+    if (ks == 0 && lane < GEMV_ROWS * NT) {
+        int j = lane / NT, t = lane % NT;
+        float s = 0.f;
+        for (int i = 0; i < KS; i++) s += partial[warp + i][lane];
+        if (r0 + j < nrows && t < ntok) y[(long long)t * nrows + r0 + j] = s;
     }
 }
 
 // Routed-expert GEMV for P (token, slot) pairs: y[p, r] = sum_c W_{idx[p]}[r, c] x[p / x_div, c].
-// Expert ids are read on the device; a negative id gives zeros. grid = (row blocks, P).
+// Expert ids are read on the device; a negative id gives zeros. grid = (row blocks, P), GEMV_WARPS row groups.
 template <class Q>
-__global__ void moe_gemv(const u8* __restrict__ w, long long expert_bytes, long long row_bytes, int nrows, int ncols,
-                         const int* __restrict__ idx, const float* __restrict__ x, int x_div,
-                         float* __restrict__ y) {
-    int lane = threadIdx.x & 31;
-    int r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    int p = blockIdx.y;
-    if (r >= nrows) return;
-    int e = idx[p];
-    float acc = 0.f;
+__global__ void __launch_bounds__(32 * GEMV_WARPS) moe_gemv(
+        const u8* __restrict__ w, long long expert_bytes, long long row_bytes, int nrows, int ncols,
+        const int* __restrict__ idx, const float* __restrict__ x, int x_div, float* __restrict__ y) {
+    using D = WarpDot<Q, GEMV_ROWS, 1>;
+    __shared__ uint4 stage[GEMV_WARPS][D::SLOTS];
+    int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    int p = blockIdx.y, e = idx[p];
+    int r0 = (blockIdx.x * GEMV_WARPS + warp) * GEMV_ROWS;
+    if (r0 >= nrows) return;
+    float acc[GEMV_ROWS][1] = {};
     if (e >= 0) {
-        const u8* row = w + (long long)e * expert_bytes + (long long)r * row_bytes;
-        const float* xp = x + (long long)(p / x_div) * ncols;
-        int units = ncols / Q::UNIT;
-        for (int u = lane; u < units; u += 32) {
-            int part;
-            const u8* blk = unit_block<Q>(row, u, part);
-            float v[Q::UNIT];
-            Q::decode(blk, part, v);
-            const float4* xt = reinterpret_cast<const float4*>(xp + (long long)u * Q::UNIT);
+        const u8* row[GEMV_ROWS];
 #pragma unroll
-            for (int i = 0; i < Q::UNIT / 4; i++) {
-                float4 xv = xt[i];
-                acc += v[4 * i] * xv.x + v[4 * i + 1] * xv.y + v[4 * i + 2] * xv.z + v[4 * i + 3] * xv.w;
-            }
-        }
+        for (int j = 0; j < GEMV_ROWS; j++)
+            row[j] = w + (long long)e * expert_bytes + (long long)min(r0 + j, nrows - 1) * row_bytes;
+        D::run(row, ncols, x + (long long)(p / x_div) * ncols, 0, 1, 0, 1, stage[warp], acc);
     }
-    acc = warp_sum(acc);
-    if (lane == 0) y[(long long)p * nrows + r] = acc;
+#pragma unroll
+    for (int j = 0; j < GEMV_ROWS; j++) {
+        float s = warp_sum(acc[j][0]);
+        if (lane == 0 && r0 + j < nrows) y[(long long)p * nrows + r0 + j] = s;
+    }
 }
 
-// out[i, :] = row rows[i] of W as float32 (rows == nullptr: row i). One thread per unit.
+// Fused routed-expert gate/up with SwiGLU: h[p, r] = silu(min(g, L)) * clip(u, -L, L) (no clamp when
+// limit <= 0), g and u the rows r of W_gate and W_up of expert idx[p] against x[p / x_div]. Each warp reads
+// GEMV_ROWS gate rows and the same up rows against one staged activation; a negative id gives zeros.
+template <class Q>
+__global__ void __launch_bounds__(32 * GEMV_WARPS / 2) moe_gate_up(
+        const u8* __restrict__ wg, const u8* __restrict__ wu, long long expert_bytes, long long row_bytes,
+        int nrows, int ncols, const int* __restrict__ idx, const float* __restrict__ x, int x_div, float limit,
+        float* __restrict__ h) {
+    constexpr int WARPS = GEMV_WARPS / 2;
+    using D = WarpDot<Q, 2 * GEMV_ROWS, 1>;
+    __shared__ uint4 stage[WARPS][D::SLOTS];
+    int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    int p = blockIdx.y, e = idx[p];
+    int r0 = (blockIdx.x * WARPS + warp) * GEMV_ROWS;
+    if (r0 >= nrows) return;
+    float acc[2 * GEMV_ROWS][1] = {};
+    if (e >= 0) {
+        const u8* row[2 * GEMV_ROWS];
+#pragma unroll
+        for (int j = 0; j < GEMV_ROWS; j++) {
+            long long off = (long long)e * expert_bytes + (long long)min(r0 + j, nrows - 1) * row_bytes;
+            row[j] = wg + off;
+            row[GEMV_ROWS + j] = wu + off;
+        }
+        D::run(row, ncols, x + (long long)(p / x_div) * ncols, 0, 1, 0, 1, stage[warp], acc);
+    }
+#pragma unroll
+    for (int j = 0; j < GEMV_ROWS; j++) {
+        float g = warp_sum(acc[j][0]), u = warp_sum(acc[GEMV_ROWS + j][0]);
+        if (limit > 0) {
+            g = fminf(g, limit);
+            u = fminf(fmaxf(u, -limit), limit);
+        }
+        if (lane == 0 && r0 + j < nrows) h[(long long)p * nrows + r0 + j] = e >= 0 ? g / (1.0f + expf(-g)) * u : 0.f;
+    }
+}
+
+// out[i, :] = row rows[i] of W as float32 (rows == nullptr: row i). One thread per 8 elements.
 template <class Q>
 __global__ void dequant_rows(const u8* __restrict__ w, long long row_bytes, int ncols, const int* __restrict__ rows,
                              int nrows, float* __restrict__ out) {
-    long long units = ncols / Q::UNIT;
+    long long units = ncols / 8;
     long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (id >= units * nrows) return;
     long long i = id / units;
     int u = (int)(id % units);
     long long src = rows ? (long long)rows[i] : i;
-    int part;
-    const u8* blk = unit_block<Q>(w + src * row_bytes, u, part);
-    float v[Q::UNIT];
-    Q::decode(blk, part, v);
-    float* o = out + i * ncols + (long long)u * Q::UNIT;
-#pragma unroll
-    for (int k = 0; k < Q::UNIT; k++) o[k] = v[k];
+    constexpr int PARTS = Q::QK / 8;
+    const u8* blk = w + src * row_bytes + (long long)(u / PARTS) * Q::BYTES;
+    float v[8];
+    Q::decode(blk, u % PARTS, v);
+    float4* o = reinterpret_cast<float4*>(out + i * ncols + 8LL * u);
+    o[0] = make_float4(v[0], v[1], v[2], v[3]);
+    o[1] = make_float4(v[4], v[5], v[6], v[7]);
 }
