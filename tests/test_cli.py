@@ -91,3 +91,15 @@ def test_interactive_chat_reads_turns_until_eof(tiny_model):
 def test_context_larger_than_allowed_is_refused(tiny_model):
     proc = ds4("run", "-m", str(tiny_model), "-p", "hi", "--ctx", str(10**9))
     assert proc.returncode == 1 and "context" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("case", sorted(__import__("ds4_core.testing.gguf_files", fromlist=["MALFORMED"]).MALFORMED))
+def test_every_malformed_file_is_one_error_line_and_exit_1(case, tmp_path):
+    from ds4_core.testing.gguf_files import MALFORMED
+
+    path = tmp_path / f"{case}.gguf"
+    path.write_bytes(MALFORMED[case].build())
+    result = CliRunner().invoke(cli, ["run", "-m", str(path), "-p", "hi"])
+    assert result.exit_code == 1, result.output
+    lines = result.output.strip().splitlines()
+    assert lines[-1].startswith("error: ") and "Traceback" not in result.output

@@ -23,7 +23,8 @@ NEXT_MODEL_CONFIGS: dict[str, dict[str, Any]] = {
     "shared": {
         "num_hidden_layers": 4, "layer_types": [D, D, K, D], "indexer_types": ["full", "shared", "full", "full"],
         "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"], "index_kpool": 2, "index_topk": 6,
-        "index_n_heads": 8, "hc_mult": 2, "n_group": 1, "topk_group": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+        "index_n_heads": 8, "hc_mult": 2, "n_group": 1, "topk_group": 1, "num_attention_heads": 2,
+        "num_key_value_heads": 2,
     },
     # K K D K K D: 8-token pools, top-16 = 2 pools, conv kernel 2, 8 experts in 4 groups (2 kept), swiglu 0.8
     "kda_heavy": {

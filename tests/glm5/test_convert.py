@@ -96,7 +96,8 @@ def test_tensors_carry_the_transformers_values(tiny_hf, converted):
         np.testing.assert_array_equal(got[blk + "ffn_up_exps.weight"], gate_up[:, c.moe_intermediate_size:])
         np.testing.assert_array_equal(got[blk + "ffn_down_exps.weight"], state[src + "mlp.experts.down_proj"])
         np.testing.assert_array_equal(got[blk + "exp_probs_b.bias"], state[src + "mlp.gate.e_score_correction_bias"])
-        np.testing.assert_array_equal(got[blk + "ffn_up_shexp.weight"], state[src + "mlp.shared_experts.up_proj.weight"])
+        np.testing.assert_array_equal(got[blk + "ffn_up_shexp.weight"],
+                                      state[src + "mlp.shared_experts.up_proj.weight"])
 
 
 def test_q8_0_file_runs_close_to_f32(converted):

@@ -93,7 +93,8 @@ def _parse(text, cut, **kwargs):
 def test_reply_parses_identically_at_every_split_point():
     first = json.dumps({"city": "Paris <b>", "days": 3, "code": "007"})
     expected = [ReasoningDelta("Let me check."), ContentDelta("Sure, checking."), ToolCallStart(0, "", "get_weather"),
-                ToolCallEnd(0, first), ToolCallStart(1, "", "get_weather"), ToolCallEnd(1, json.dumps({"city": "Rome"}))]
+                ToolCallEnd(0, first), ToolCallStart(1, "", "get_weather"),
+                ToolCallEnd(1, json.dumps({"city": "Rome"}))]
     for cut in range(len(REPLY) + 1):
         events = _parse(REPLY, cut, thinking="high", tool_schemas=[WEATHER])
         assert [e for e in events if not isinstance(e, ToolCallArgsDelta)] == expected, cut

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from next_conftest_helpers import next_converted, tiny_next_hf  # noqa: F401 - fixtures
 
 torch = pytest.importorskip("torch")

@@ -41,7 +41,8 @@ def test_tensors_follow_the_ds4_layout(tiny_next_hf, next_converted):  # noqa: F
                                   ck[f"{PREFIX}layers.3.self_attn.indexer.index_kpool_compress_ape"])
     np.testing.assert_array_equal(out["blk.0.kda_k_conv.weight"], ck[f"{PREFIX}layers.0.self_attn.k_conv1d.weight"])
     np.testing.assert_array_equal(out["blk.0.kda_a_log.weight"], ck[f"{PREFIX}layers.0.self_attn.A_log"])
-    np.testing.assert_array_equal(out["blk.4.ffn_up_exps.weight"][5], ck[f"{PREFIX}layers.4.mlp.experts.5.up_proj.weight"])
+    np.testing.assert_array_equal(out["blk.4.ffn_up_exps.weight"][5],
+                                  ck[f"{PREFIX}layers.4.mlp.experts.5.up_proj.weight"])
     np.testing.assert_array_equal(out["blk.4.hc_ffn_fn.weight"], ck[f"{PREFIX}layers.4.hc_ffn_fn"])
     assert not any("visual" in name or "vision" in name for name in out)  # the vision tower is skipped
     with GGUFFile.open(next_converted("mixed", "f32")) as g:
@@ -55,7 +56,7 @@ def test_runtime_module_layout_converts_identically(tiny_next_hf, next_converted
     src = tmp_path / "runtime"
     shutil.copytree(directory, src, ignore=shutil.ignore_patterns("*.safetensors"))
     state = {name: t.detach().numpy().copy() for name, t in model.state_dict().items()}
-    assert f"{PREFIX}layers.0.self_attn.conv1d.weight" in state and f"{PREFIX}layers.4.mlp.experts.gate_up_proj" in state
+    assert {f"{PREFIX}layers.0.self_attn.conv1d.weight", f"{PREFIX}layers.4.mlp.experts.gate_up_proj"} <= set(state)
     safetensors_numpy.save_file(state, src / "model.safetensors")
     convert(src, tmp_path / "runtime.gguf", "f32")
     got, want = gguf_arrays(tmp_path / "runtime.gguf"), gguf_arrays(next_converted("mixed", "f32"))
@@ -94,7 +95,7 @@ def test_mtp_block_is_converted_and_loaded_but_not_run(tiny_next_hf, next_conver
 
 
 def test_q8_0_recipe_types_and_values(next_converted):  # noqa: F811
-    """q8_0: Q8_0 matrices within half a quantization step, F16 small matrices, F32 norms/biases/convs/router."""
+    """q8_0: Q8_0 matrices within half a quantization step (plus the rounding of its F16 scale), F16 small matrices, F32 norms/biases/convs/router."""
     f32, q8 = next_converted("mixed", "f32"), next_converted("mixed", "q8_0")
     assert q8.stat().st_size < 0.5 * f32.stat().st_size
     want = gguf_arrays(f32)
@@ -111,9 +112,10 @@ def test_q8_0_recipe_types_and_values(next_converted):  # noqa: F811
         if types[name] == "Q8_0":
             blocks = ref.reshape(-1, 32)
             step = np.abs(blocks).max(axis=1, keepdims=True) / 127
-            assert np.all(np.abs(got[name].reshape(-1, 32) - blocks) <= 0.51 * step + 1e-7), name
+            assert np.all(np.abs(got[name].reshape(-1, 32) - blocks) <= 0.6 * step + 1e-7), name  # half a step + the F16 scale
         else:
-            np.testing.assert_allclose(got[name], ref, rtol=1e-3 if types[name] == "F16" else 0, err_msg=name)
+            half = types[name] == "F16"
+            np.testing.assert_allclose(got[name], ref, rtol=1e-3 if half else 0, atol=1e-6 if half else 0, err_msg=name)
 
 
 def test_incomplete_or_foreign_checkpoints_are_refused(tiny_next_hf, tmp_path):  # noqa: F811

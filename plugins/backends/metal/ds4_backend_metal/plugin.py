@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import click
@@ -29,7 +30,8 @@ def register_backends(register: Callable[[BackendSpec], None]) -> None:
         device="gpu",
         probe="ds4_backend_metal.probe:probe",
         factory="ds4_backend_metal.backend:MetalBackend",
-        priority=90,
+        # On a Mac MLX means the GPU; elsewhere it is MLX's CPU device, which `auto` should not prefer to numpy.
+        priority=90 if sys.platform == "darwin" else -10,
         quant_types=QUANT_TYPES,
         aliases=("mlx",),
         description="Apple GPUs through MLX: exact MLX-quantized weights, self-tested custom Metal kernels",

@@ -80,7 +80,8 @@ def _tool_calls(message: Mapping[str, Any], where: str) -> str:
     for position, call in enumerate(message.get("tool_calls") or ()):
         function = call.get("function") if isinstance(call, Mapping) else None
         if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
-            raise TemplateError(f'{where}: tool call {position} needs {{"function": {{"name": ..., "arguments": ...}}}}')
+            raise TemplateError(f"{where}: tool call {position} needs "
+                                '{"function": {"name": ..., "arguments": ...}}')
         arguments = function.get("arguments")
         if isinstance(arguments, str):
             try:
@@ -133,7 +134,8 @@ class GlmChat:
             else:
                 reasoning = message.get("reasoning_content")
                 if reasoning is None and THINK_CLOSE in content:  # reasoning left inline in the content
-                    reasoning, content = content.split(THINK_CLOSE)[0].split(THINK_OPEN)[-1], content.split(THINK_CLOSE)[-1]
+                    head, _, content = content.rpartition(THINK_CLOSE)
+                    reasoning = head.split(THINK_CLOSE)[0].split(THINK_OPEN)[-1]
                 parts += [ASSISTANT, THINK_OPEN, _text(reasoning, where), THINK_CLOSE, content.strip(),
                           _tool_calls(message, where)]
             in_results = role in _TOOL_ROLES

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -290,24 +289,24 @@ class _Planner:
     def experts(self, layer: int) -> None:
         """Routed experts as ``ffn_{gate,up}_exps [E, I, D]`` and ``ffn_down_exps [E, D, I]``."""
         hp, src = self.hp, self.source
-        E, I, D = hp.n_experts, hp.expert_ffn, hp.hidden_size
+        E, F, D = hp.n_experts, hp.expert_ffn, hp.hidden_size
         prefix = f"model.layers.{layer}.mlp.experts."
         stacked = prefix + "gate_up_proj" in src.names()
-        for part, shape in (("gate", (I, D)), ("up", (I, D)), ("down", (D, I))):
+        for part, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
             if stacked:
                 name = self.need(prefix + ("down_proj" if part == "down" else "gate_up_proj"),
-                                 (E, D, I) if part == "down" else (E, 2 * I, D))
+                                 (E, D, F) if part == "down" else (E, 2 * F, D))
                 members = [name] * E
             else:
                 members = [self.need(f"{prefix}{e}.{part}_proj.weight", shape) for e in range(E)]
 
-            def chunks(members: list[str] = members, part: str = part) -> Iterator[np.ndarray]:
+            def chunks(members: list[str] = members, part: str = part, rows: int = shape[0]) -> Iterator[np.ndarray]:
                 for e, member in enumerate(members):
                     if not stacked:
-                        yield src.rows(member, 0, shape[0])
+                        yield src.rows(member, 0, rows)
                         continue
                     block = src.rows(member, e, e + 1)[0]
-                    yield block if part == "down" else block[:I] if part == "gate" else block[I:]
+                    yield block if part == "down" else block[:F] if part == "gate" else block[F:]
 
             self.add(f"blk.{layer}.ffn_{part}_exps.weight", (E, *shape), "matrix", chunks)
 

@@ -25,7 +25,7 @@ def layer_norm(x: np.ndarray, w: Weight, b: Weight, eps: float) -> np.ndarray:
 
 def moe_route_sigmoid(logits: np.ndarray, bias: Weight | None, k: int, routed_scale: float, n_group: int,
                       topk_group: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Sigmoid MoE router with group-limited choice: ``logits [T, E]`` -> (expert ids int32 ``[T, k]``, weights ``[T, k]``).
+    """Sigmoid, group-limited MoE router: ``logits [T, E]`` -> (expert ids int32 ``[T, k]``, weights ``[T, k]``).
 
     Experts are chosen on ``sigmoid(logits) + bias``: each of ``n_group`` equal groups scores the sum of its two
     best biased scores, the ``topk_group`` best groups stay, and the top-k experts among them win (ties to the
