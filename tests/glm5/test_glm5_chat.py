@@ -140,3 +140,8 @@ def test_render_then_parse_round_trips_tool_calls():
 
 def test_stop_strings_cover_the_eos_set():
     assert {"<|endoftext|>", "<|user|>", "<|observation|>"} <= set(CHAT.stop_strings)
+
+
+def test_reasoning_left_inline_in_history_is_moved_into_think():
+    messages = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "<think>why</think>  Answer. "}]
+    assert CHAT.render(messages, add_generation_prompt=False).endswith("<|assistant|><think>why</think>Answer.")

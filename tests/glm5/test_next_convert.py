@@ -95,7 +95,8 @@ def test_mtp_block_is_converted_and_loaded_but_not_run(tiny_next_hf, next_conver
 
 
 def test_q8_0_recipe_types_and_values(next_converted):  # noqa: F811
-    """q8_0: Q8_0 matrices within half a quantization step (plus the rounding of its F16 scale), F16 small matrices, F32 norms/biases/convs/router."""
+    """q8_0: Q8_0 matrices within half a quantization step (plus the rounding of the block's F16 scale), F16 small
+    matrices, F32 norms, biases, convs and router."""
     f32, q8 = next_converted("mixed", "f32"), next_converted("mixed", "q8_0")
     assert q8.stat().st_size < 0.5 * f32.stat().st_size
     want = gguf_arrays(f32)
@@ -112,7 +113,7 @@ def test_q8_0_recipe_types_and_values(next_converted):  # noqa: F811
         if types[name] == "Q8_0":
             blocks = ref.reshape(-1, 32)
             step = np.abs(blocks).max(axis=1, keepdims=True) / 127
-            assert np.all(np.abs(got[name].reshape(-1, 32) - blocks) <= 0.6 * step + 1e-7), name  # half a step + the F16 scale
+            assert np.all(np.abs(got[name].reshape(-1, 32) - blocks) <= 0.6 * step + 1e-7), name
         else:
             half = types[name] == "F16"
             np.testing.assert_allclose(got[name], ref, rtol=1e-3 if half else 0, atol=1e-6 if half else 0, err_msg=name)

@@ -71,7 +71,8 @@ def test_truncated_table_fails_cleanly_and_leaves_state_unchanged(converted, tmp
     path = converted("a", "f32")
     full_gguf, full, _ = _load(path)
     table = full_gguf.tensors[NGRAM_TABLE]
-    cut_row = table.shape[0] // 2
+    second_table = full.cfg.ple_head_offsets[full.cfg.ple_heads]  # every token needs rows of both tables
+    cut_row = (second_table + table.shape[0]) // 2
     truncated = tmp_path / "truncated.gguf"
     shutil.copyfile(path, truncated)
     with open(truncated, "r+b") as f:
@@ -86,7 +87,7 @@ def test_truncated_table_fails_cleanly_and_leaves_state_unchanged(converted, tmp
 
     eos = model.cfg.ple_eos
     rng = np.random.default_rng(0)
-    good = next(ids for ids in (rng.integers(1, 320, 3) for _ in range(10000))
+    good = next(ids for ids in (rng.integers(1, 320, 2) for _ in range(10000))
                 if rows_needed(np.array([eos, eos]), ids).max() < cut_row)
     state = model.new_state(32)
     model.forward(good.astype(np.int32), state)

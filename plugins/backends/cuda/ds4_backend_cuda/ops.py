@@ -32,8 +32,8 @@ WARPS_PER_BLOCK = 8
 #: Blocks per multiprocessor a GEMV aims for before it splits rows over several warps.
 _WAVES = 2
 #: Blocks of one row that a warp stages at once (CHUNK in quant.cu) and bytes per block.
-_CHUNK_BLOCKS = {"F32": 32, "F16": 64, "BF16": 64, "Q8_0": 32, "Q4_0": 64, "Q4_K": 8, "Q6_K": 4, "Q2_K": 12,
-                 "IQ2_XXS": 16, "MXFP4": 64}
+_CHUNK_BLOCKS = {"F32": 32, "F16": 64, "BF16": 64, "Q8_0": 16, "Q4_0": 64, "Q4_K": 4, "Q6_K": 4, "Q2_K": 4,
+                 "IQ2_XXS": 4, "MXFP4": 32}
 _BLOCK_ELEMS = {"F32": 8, "F16": 8, "BF16": 8, "Q8_0": 32, "Q4_0": 32, "Q4_K": 256, "Q6_K": 256, "Q2_K": 256,
                 "IQ2_XXS": 256, "MXFP4": 32}
 _THREADS = 256

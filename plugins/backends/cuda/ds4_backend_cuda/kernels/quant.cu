@@ -101,7 +101,7 @@ struct BF16 {
 
 // d (f16), 32 int8 codes.
 struct Q8_0 {
-    static constexpr int QK = 32, BYTES = 34, CHUNK = 32;
+    static constexpr int QK = 32, BYTES = 34, CHUNK = 16;
     static __device__ __forceinline__ void decode(const u8* b, int part, float* v) {
         float d = half_at(b);
 #pragma unroll
@@ -146,7 +146,7 @@ struct Q4_0 {
 // d, dmin (f16), 12 bytes of 6-bit scales/mins, 128 bytes of nibbles: elements 64g .. 64g+31 are the low
 // nibbles of bytes 32g .. 32g+31 (sub-block 2g), elements 64g+32 .. 64g+63 their high nibbles (sub-block 2g+1).
 struct Q4_K {
-    static constexpr int QK = 256, BYTES = 144, CHUNK = 8;
+    static constexpr int QK = 256, BYTES = 144, CHUNK = 4;
     static __device__ __forceinline__ void scale_min(const u8* p, int s, int& sc, int& m) {
         if (s < 4) {
             sc = p[s] & 63;
@@ -201,7 +201,7 @@ struct Q6_K {
 // 16 scale bytes (low nibble scale, high nibble min), 64 bytes of 2-bit codes, d, dmin (f16): element
 // e = 128h + 32j + l is bits 2j of qs[32h + l]; its scale byte is e / 16.
 struct Q2_K {
-    static constexpr int QK = 256, BYTES = 84, CHUNK = 12;
+    static constexpr int QK = 256, BYTES = 84, CHUNK = 4;
     static __device__ __forceinline__ void decode(const u8* b, int part, float* v) {
         int e0 = 8 * part, h = e0 / 128, j = (e0 % 128) / 32, l0 = e0 % 32;
         u8 packed = b[part / 2];
@@ -228,7 +228,7 @@ struct Q2_K {
 // 4-bit scale. Part = 4 * group + k is the 8 elements of grid index k; the eighth sign bit makes the minus
 // count even.
 struct IQ2_XXS {
-    static constexpr int QK = 256, BYTES = 66, CHUNK = 16;
+    static constexpr int QK = 256, BYTES = 66, CHUNK = 4;
     static __device__ __forceinline__ void decode(const u8* b, int part, float* v) {
         int g = part / 4, k = part % 4;
         const u8* p = b + 2 + 8 * g;
@@ -275,7 +275,7 @@ __device__ __forceinline__ float e2m1(u32 n) {
 
 // E8M0 scale byte, 16 bytes of E2M1 codes (low nibbles: elements 0-15, high nibbles: 16-31).
 struct MXFP4 {
-    static constexpr int QK = 32, BYTES = 17, CHUNK = 64;
+    static constexpr int QK = 32, BYTES = 17, CHUNK = 32;
     static __device__ __forceinline__ void decode(const u8* b, int part, float* v) {
         float scale = ldexpf(1.0f, (int)b[0] - 128);
         int shift = 4 * (part >> 1);
