@@ -1,5 +1,5 @@
-"""GLM 5.3 Flash decoding state: KDA chunked == recurrent, chunked prefill == token by token, snapshots (KDA state
-included), the pooled indexer's selection invariants, context limits and the metadata config."""
+"""GLM 5.3 Flash decoding state: the KDA prefill form == the recurrence, chunked prefill == token by token,
+snapshots (KDA state included), the pooled indexer's selection invariants, context limits and the metadata config."""
 
 from __future__ import annotations
 
@@ -7,43 +7,34 @@ import numpy as np
 import pytest
 from ds4_model_glm5.next_config import ARCH, Glm5NextConfig
 from ds4_model_glm5.next_model import Attention
-from ds4_model_glm5.next_ops import KDA_CHUNK, kda_chunked, kda_recurrent, kda_short_conv
 from ds4_model_glm5.next_state import KdaState
 from next_conftest_helpers import next_converted, tiny_next_hf  # noqa: F401 - fixtures
 
-from ds4_core.backend import Weight
 from ds4_core.engine import Engine
 from ds4_core.errors import ContextError, ModelConfigError
+from ds4_core.ops_recurrent import DELTA_CHUNK, gated_delta_rule, gated_delta_rule_chunked
 
 
 def _kda_inputs(rng: np.random.Generator, T: int, h: int = 3, dk: int = 8, dv: int = 6):
+    """KDA-like inputs: unit-norm keys, scaled unit-norm queries, per-channel log-decays bounded in (-5, 0)."""
     q, k = rng.standard_normal((2, T, h, dk)).astype(np.float32)
+    q = q / np.linalg.norm(q, axis=-1, keepdims=True) / np.sqrt(dk)
+    k = k / np.linalg.norm(k, axis=-1, keepdims=True)
     v = rng.standard_normal((T, h, dv)).astype(np.float32)
-    g = (-5 / (1 + np.exp(-2 * rng.standard_normal((T, h, dk))))).astype(np.float32)  # in (-5, 0), some near both
+    g = (-5 / (1 + np.exp(-2 * rng.standard_normal((T, h, dk))))).astype(np.float32)  # some near -5, some near 0
     beta = rng.uniform(0, 1, (T, h)).astype(np.float32)
     state = rng.standard_normal((h, dk, dv)).astype(np.float32)
     return q, k, v, g, beta, state
 
 
-@pytest.mark.parametrize("T", [1, 5, KDA_CHUNK, 2 * KDA_CHUNK + 3])
-def test_kda_chunked_form_equals_recurrence(T):
+@pytest.mark.parametrize("T", [1, 5, DELTA_CHUNK + 7])
+def test_core_chunked_delta_rule_equals_recurrence_with_kda_decays(T):
+    """The prefill form the graph uses for T > 1 equals the decode form on KDA's per-channel decays."""
     args = _kda_inputs(np.random.default_rng(T), T)
-    o_ref, s_ref = kda_recurrent(*args)
-    o, s = kda_chunked(*args)
+    o_ref, s_ref = gated_delta_rule(*args)
+    o, s = gated_delta_rule_chunked(*args)
     np.testing.assert_allclose(o, o_ref, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(s, s_ref, rtol=1e-4, atol=1e-5)
-
-
-def test_short_conv_in_pieces_equals_whole():
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((11, 6)).astype(np.float32)
-    w = Weight("conv", "F32", (6, 1, 4), rng.standard_normal((6, 1, 4)).astype(np.float32))
-    whole, hist = kda_short_conv(x, np.zeros((3, 6), np.float32), w)
-    a, h1 = kda_short_conv(x[:2], np.zeros((3, 6), np.float32), w)  # shorter than the kernel
-    b, h2 = kda_short_conv(x[2:], h1, w)
-    np.testing.assert_allclose(np.concatenate([a, b]), whole, rtol=1e-6)
-    np.testing.assert_array_equal(h2, hist)
-    np.testing.assert_array_equal(hist, x[-3:])
 
 
 @pytest.fixture(scope="module")

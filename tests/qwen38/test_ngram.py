@@ -71,8 +71,8 @@ def test_truncated_table_fails_cleanly_and_leaves_state_unchanged(converted, tmp
     path = converted("a", "f32")
     full_gguf, full, _ = _load(path)
     table = full_gguf.tensors[NGRAM_TABLE]
-    second_table = full.cfg.ple_head_offsets[full.cfg.ple_heads]  # every token needs rows of both tables
-    cut_row = (second_table + table.shape[0]) // 2
+    # every token reads one row of each head's range; cut the last head's range in half
+    cut_row = full.cfg.ple_head_offsets[-1] + full.cfg.ple_head_sizes[-1] // 2
     truncated = tmp_path / "truncated.gguf"
     shutil.copyfile(path, truncated)
     with open(truncated, "r+b") as f:

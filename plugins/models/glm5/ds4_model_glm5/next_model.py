@@ -35,6 +35,11 @@ def _sigmoid(xp: Any, x: Any) -> Any:
     return 1 / (1 + xp.exp(-x))
 
 
+def _l2norm(xp: Any, x: Any) -> Any:
+    """``x / sqrt(Σx² + 1e-6)`` over the last axis (the epsilon sits inside the root, as in KDA's reference)."""
+    return (x / xp.sqrt(xp.sum(x * x, axis=-1, keepdims=True) + np.float32(1e-6))).astype(xp.float32)
+
+
 class Kda:
     """Kimi delta attention (spec §6.3): short convs, per-channel bounded decay, delta rule, gated RMS norm."""
 
@@ -43,7 +48,11 @@ class Kda:
         self.cfg = cfg
         for part in ("q", "k", "v"):
             setattr(self, f"kda_{part}", w.get(f"{blk}.kda_{part}.weight", (h * d, D), MATMUL))
-        self.convs = [w.get(f"{blk}.kda_{part}_conv.weight", (h * d, 1, K), NORM + FLOAT) for part in "qkv"]
+        # The three depthwise convs as one [3·h·d, K] F32 tensor over the q|k|v channels (core short_conv layout).
+        taps = np.concatenate([w.array(f"{blk}.kda_{part}_conv.weight", shape=(h * d, 1, K)).reshape(h * d, K)
+                               for part in "qkv"])
+        self.conv = ops.backend.upload(f"{blk}.kda_qkv_conv", "F32", taps.shape,
+                                       np.ascontiguousarray(taps, dtype=np.float32).view(np.uint8).reshape(-1))
         self.kda_f_a = w.get(f"{blk}.kda_f_a.weight", (d, D), MATMUL)
         self.kda_f_b = w.get(f"{blk}.kda_f_b.weight", (h * d, d), MATMUL)
         self.kda_dt_bias = _small(w, ops, f"{blk}.kda_dt_bias.weight", (h * d,))
@@ -58,15 +67,16 @@ class Kda:
         """``x [T, D]`` (normalised collapsed stream) -> ``[T, D]``; advances ``ls``."""
         cfg, xp, T = self.cfg, ops.xp, x.shape[0]
         h, d = cfg.kda_heads, cfg.kda_head_dim
-        qkv = []
-        for i, (proj, conv) in enumerate(zip((self.kda_q, self.kda_k, self.kda_v), self.convs, strict=True)):
-            y, ls.conv[i] = ops.kda_short_conv(ops.linear(x, proj), ls.conv[i], conv)
-            qkv.append(y.reshape(T, h, d))
+        u = xp.concatenate([ops.linear(x, self.kda_q), ops.linear(x, self.kda_k), ops.linear(x, self.kda_v)], axis=1)
+        u, ls.conv = ops.short_conv(u, ls.conv, self.conv)
+        q, k, v = (u * _sigmoid(xp, u)).reshape(T, 3, h, d).transpose(1, 0, 2, 3)  # SiLU after the conv
+        q = _l2norm(xp, q) * np.float32(d ** -0.5)
+        k = _l2norm(xp, k)
         raw = (ops.linear(ops.linear(x, self.kda_f_a), self.kda_f_b) + self.kda_dt_bias).reshape(T, h, d)
-        g = (cfg.kda_lower_bound * _sigmoid(xp, self.decay_rate * raw)).astype(xp.float32)
+        g = (cfg.kda_lower_bound * _sigmoid(xp, self.decay_rate * raw)).astype(xp.float32)  # per key channel
         beta = _sigmoid(xp, ops.linear(x, self.kda_beta)).astype(xp.float32)
-        recurrence = ops.kda_recurrent if T == 1 else ops.kda_chunked
-        o, ls.recurrent = recurrence(*qkv, g, beta, ls.recurrent)
+        recurrence = ops.gated_delta_rule if T == 1 else ops.gated_delta_rule_chunked
+        o, ls.recurrent = recurrence(q, k, v, g, beta, ls.recurrent)
         gate = ops.linear(ops.linear(x, self.kda_g_a), self.kda_g_b).reshape(T, h, d)
         o = ops.rms_norm(o, self.kda_o_norm, cfg.rms_norm_eps) * _sigmoid(xp, gate)
         return ops.linear(o.reshape(T, h * d).astype(xp.float32), self.kda_output)

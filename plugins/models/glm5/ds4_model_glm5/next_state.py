@@ -17,7 +17,7 @@ from .next_config import Glm5NextConfig
 
 @attrs.define
 class KdaState:
-    """``conv [3, K−1, h·d]``: the last K−1 pre-conv q, k, v rows; ``recurrent [h, d, d]`` (key × value), fp32."""
+    """``conv [K−1, 3·h·d]``: the last K−1 pre-conv q|k|v rows; ``recurrent [h, d, d]`` (key × value), fp32."""
 
     conv: Any
     recurrent: Any
@@ -57,7 +57,7 @@ def new_state(config: Glm5NextConfig, ctx: int, xp: ModuleType, indexed: tuple[b
     hd, K, P, dI = config.kda_heads * config.kda_head_dim, config.kda_conv, config.index_pool, config.index_head_dim
     for block in range(config.num_layers):
         if not config.is_dsa(block):
-            layers.append(KdaState(conv=xp.zeros((3, K - 1, hd), dtype=f32),
+            layers.append(KdaState(conv=xp.zeros((K - 1, 3 * hd), dtype=f32),
                                    recurrent=xp.zeros((config.kda_heads, config.kda_head_dim, config.kda_head_dim),
                                                       dtype=f32)))
             continue
