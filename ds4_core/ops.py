@@ -173,6 +173,8 @@ CORE_OPS: dict[str, Callable] = {
 }
 
 # Recurrent-layer ops live in their own module to keep this one readable; they are part of the same vocabulary.
-from .ops_recurrent import RECURRENT_OPS  # noqa: E402 - appended to the table above
+from .ops_hc import HC_OPS  # noqa: E402 - appended to the table above
+from .ops_recurrent import RECURRENT_OPS  # noqa: E402
 
+CORE_OPS.update(HC_OPS)
 CORE_OPS.update(RECURRENT_OPS)

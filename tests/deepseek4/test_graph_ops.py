@@ -10,11 +10,10 @@ import pytest
 torch = pytest.importorskip("torch")
 dsv4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 
-from ds4_model_deepseek4 import ops as ds_ops  # noqa: E402
 from ds4_model_deepseek4.config import DeepSeekV4Config  # noqa: E402
 from transformers import DeepseekV4Config as HFConfig  # noqa: E402
 
-from ds4_core import ops  # noqa: E402
+from ds4_core import ops, ops_hc  # noqa: E402
 from ds4_core.backend import Weight  # noqa: E402
 
 RNG = np.random.default_rng(0)
@@ -145,7 +144,7 @@ def test_hc_pre_matches_transformers():
     mod, fn, base, scale = _hc_module(n, D, 20)
     S = randn(5, n, D)
     post, comb, collapsed = (a.detach()[0].numpy() for a in mod(t(S)[None]))
-    c, got_post, got_comb = ds_ops.hc_pre(S, W(fn), W(scale), W(base), 20, 1e-6, 1e-6)
+    c, got_post, got_comb = ops_hc.hc_pre(S, W(fn), W(scale), W(base), 20, 1e-6, 1e-6)
     np.testing.assert_allclose(c, collapsed, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got_post, post, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got_comb, comb, rtol=1e-5, atol=1e-6)
@@ -155,8 +154,8 @@ def test_sinkhorn_mixing_is_nearly_doubly_stochastic():
     n = 4
     _, fn, base, scale = _hc_module(n, 8, 20)
     S = randn(6, n, 8)
-    _, _, comb = ds_ops.hc_pre(S, W(fn), W(scale), W(base), 20, 1e-6, 1e-6)
-    _, _, one_pass = ds_ops.hc_pre(S, W(fn), W(scale), W(base), 1, 1e-6, 1e-6)
+    _, _, comb = ops_hc.hc_pre(S, W(fn), W(scale), W(base), 20, 1e-6, 1e-6)
+    _, _, one_pass = ops_hc.hc_pre(S, W(fn), W(scale), W(base), 1, 1e-6, 1e-6)
     assert (comb > 0).all()
     np.testing.assert_allclose(comb.sum(axis=-2), 1, atol=1e-5)  # the last pass normalises columns
     np.testing.assert_allclose(comb.sum(axis=-1), 1, atol=1e-2)
@@ -170,7 +169,7 @@ def test_hc_post_applies_the_transposed_mixing():
     for tok in range(2):
         for k in range(n):
             expected[tok, k] = post[tok, k] * y[tok] + sum(comb[tok, i, k] * S[tok, i] for i in range(n))
-    np.testing.assert_allclose(ds_ops.hc_post(S, y, post, comb), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ops_hc.hc_post(S, y, post, comb), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_hc_head_matches_transformers():
@@ -181,7 +180,7 @@ def test_hc_head_matches_transformers():
     mod.hc_fn.data, mod.hc_base.data, mod.hc_scale.data = t(fn), t(base), t(scale)
     S = randn(3, n, D)
     expected = mod(t(S)[None]).detach()[0].numpy()
-    np.testing.assert_allclose(ds_ops.hc_head(S, W(fn), W(scale), W(base), 1e-6, 1e-6), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ops_hc.hc_head(S, W(fn), W(scale), W(base), 1e-6, 1e-6), expected, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------- attention, compressor, indexer
@@ -208,9 +207,9 @@ def test_softmax_pool_is_a_per_channel_softmax_and_ignores_minus_inf_slots():
     kv, gate = randn(3, 8, 6), randn(3, 8, 6)
     gate[0, :4] = -np.inf
     expected = (torch.softmax(t(gate), dim=1) * t(kv)).sum(dim=1).numpy()
-    got = ds_ops.softmax_pool(kv, gate)
+    got = ops_hc.softmax_pool(kv, gate)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(got[0], ds_ops.softmax_pool(kv[:1, 4:], gate[:1, 4:])[0], rtol=1e-6)
+    np.testing.assert_allclose(got[0], ops_hc.softmax_pool(kv[:1, 4:], gate[:1, 4:])[0], rtol=1e-6)
 
 
 def test_indexer_scores_match_transformers_scorer():

@@ -10,6 +10,7 @@ from ds4_backend_metal import ops as mlx_ops
 from ds4_model_deepseek4 import ops as ds_ref
 
 from ds4_core import ops as ref
+from ds4_core import ops_hc
 from ds4_core.quants import block_geometry, quantize, random_blocks
 
 EXPERT_TYPES = ["F32", "BF16", "Q8_0", "Q4_K", "MXFP4", "IQ2_XXS", "Q2_K"]
@@ -141,19 +142,19 @@ def test_hc_pre_post_head(pair, rng):
     S = _x(rng, T, n, D)
     (fn_n, fn_m), (sc_n, sc_m), (b_n, b_m) = _hc_weights(pair, n, D, (2 + n) * n)
     got = ds_mlx.hc_pre(mx.array(S), fn_m, sc_m, b_m, 20, 1e-6, 1e-6)
-    want = ds_ref.hc_pre(S, fn_n, sc_n, b_n, 20, 1e-6, 1e-6)
+    want = ops_hc.hc_pre(S, fn_n, sc_n, b_n, 20, 1e-6, 1e-6)
     for g, w in zip(got, want, strict=True):
         _close(g, w)
     y = _x(rng, T, D)
-    _close(ds_mlx.hc_post(mx.array(S), mx.array(y), got[1], got[2]), ds_ref.hc_post(S, y, want[1], want[2]))
+    _close(ds_mlx.hc_post(mx.array(S), mx.array(y), got[1], got[2]), ops_hc.hc_post(S, y, want[1], want[2]))
     (hn, hm), (hsn, hsm), (hbn, hbm) = pair("F32", (n, n * D)), pair("F32", (1,)), pair("F32", (n,))
-    _close(ds_mlx.hc_head(mx.array(S), hm, hsm, hbm, 1e-6, 1e-6), ds_ref.hc_head(S, hn, hsn, hbn, 1e-6, 1e-6))
+    _close(ds_mlx.hc_head(mx.array(S), hm, hsm, hbm, 1e-6, 1e-6), ops_hc.hc_head(S, hn, hsn, hbn, 1e-6, 1e-6))
 
 
 def test_softmax_pool(rng):
     kv, gate = _x(rng, 3, 8, 16), _x(rng, 3, 8, 16)
     gate[0, :4] = -np.inf  # slots without a previous window
-    _close(ds_mlx.softmax_pool(mx.array(kv), mx.array(gate)), ds_ref.softmax_pool(kv, gate))
+    _close(ds_mlx.softmax_pool(mx.array(kv), mx.array(gate)), ops_hc.softmax_pool(kv, gate))
 
 
 def test_fp8_kv_round(rng):

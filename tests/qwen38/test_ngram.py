@@ -7,15 +7,15 @@ import shutil
 
 import numpy as np
 import pytest
+from ds4_model_qwen38.hashing import layer_multipliers, table_sizes
+from ds4_model_qwen38.loader import load
+from ds4_model_qwen38.model import NGRAM_TABLE
 
 from ds4_core.backend import Ops, WeightLoader
 from ds4_core.backends.numpy import NumpyBackend
 from ds4_core.errors import GGUFFormatError
 from ds4_core.gguf import GGUFFile
 from ds4_core.plugins import get_plugin_manager
-from ds4_model_qwen38.hashing import layer_multipliers, table_sizes
-from ds4_model_qwen38.loader import load
-from ds4_model_qwen38.model import NGRAM_TABLE
 
 torch = pytest.importorskip("torch")
 

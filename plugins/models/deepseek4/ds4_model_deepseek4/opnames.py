@@ -1,7 +1,7 @@
 """Op names of the DeepSeek V4 graph (data only, so ``plugin.py`` can import it without numpy)."""
 
 #: Ops this plugin declares; their numpy references live in :mod:`ds4_model_deepseek4.ops`.
-MODEL_OPS: tuple[str, ...] = ("hc_pre", "hc_post", "hc_head", "softmax_pool", "fp8_kv_round", "fp4_hadamard_round")
+MODEL_OPS: tuple[str, ...] = ("fp8_kv_round", "fp4_hadamard_round")
 
 #: Ops of the ``qat_rounding`` option (not needed otherwise).
 QAT_OPS: tuple[str, ...] = ("fp8_kv_round", "fp4_hadamard_round")

@@ -110,7 +110,7 @@ class PooledIndexer:
         first, n_new = p0 // P, (b + T) // P
         done = n_new * P
         if n_new:
-            pooled = ops.glm5_pool_softmax(keys[:done].reshape(n_new, P, -1), gates[:done].reshape(n_new, P, -1))
+            pooled = ops.softmax_pool(keys[:done].reshape(n_new, P, -1), gates[:done].reshape(n_new, P, -1))
             ps.pooled[first:first + n_new] = pooled
         rest = b + T - done
         ps.open_keys[:rest] = keys[done:]
@@ -227,15 +227,15 @@ class Block:
         """Streams ``S [T, n, D]`` -> (``[T, n, D]``, the latest indexer selection)."""
         cfg = self.cfg
         hc = (cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
-        x, post, comb = ops.glm5_hc_pre(S, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, *hc)
+        x, post, comb = ops.hc_pre(S, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, *hc)
         x = ops.rms_norm(x, self.attn_norm, cfg.rms_norm_eps)
         if isinstance(self.mixer, Attention):
             y, rows = self.mixer(ops, x, pos, ls, p0, rows)
         else:
             y = self.mixer(ops, x, ls)
-        S = ops.glm5_hc_post(S, y, post, comb)
-        x, post, comb = ops.glm5_hc_pre(S, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, *hc)
-        return ops.glm5_hc_post(S, self.ffn(ops, ops.rms_norm(x, self.ffn_norm, cfg.rms_norm_eps)), post, comb), rows
+        S = ops.hc_post(S, y, post, comb)
+        x, post, comb = ops.hc_pre(S, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, *hc)
+        return ops.hc_post(S, self.ffn(ops, ops.rms_norm(x, self.ffn_norm, cfg.rms_norm_eps)), post, comb), rows
 
 
 class MtpBlock:
@@ -257,7 +257,7 @@ class MtpBlock:
 class Glm5NextModel:
     """A loaded GLM 5.3 Flash model (satisfies :class:`ds4_core.model.Model`); ``mtp`` holds its MTP blocks."""
 
-    family = "glm5-next"
+    family = "glm53"
 
     def __init__(self, w: WeightLoader, ops: Ops, cfg: Glm5NextConfig):
         D, V = cfg.hidden_size, cfg.vocab_size

@@ -1,10 +1,8 @@
 """Registration of the GLM 5.x family. Imports only the standard library and ds4_core.
 
 Two ModelSpecs, one per GGUF architecture, each with its own loader, converter and op list; they share the chat
-format (:mod:`.chat`). Contract for the GLM 5.3 Flash modules (``next_*.py``, owned by their author):
-``next_loader:load`` is the loader, ``next_convert:convert`` the converter of ``Glm5NextForConditionalGeneration``,
-and ``next_opnames`` defines ``NEXT_MODEL_OPS`` (ops it declares, numpy references as same-named functions in
-``next_ops``) and ``NEXT_GRAPH_OPS`` (every op its graph calls). Both op tables are imported inside the hooks.
+format (:mod:`.chat`). GLM 5.2 lives in ``model.py``/``convert.py``, GLM 5.3 Flash in ``next_*.py``; the only ops
+the family declares itself are in :mod:`.opnames` (the rest are core ops).
 """
 
 from __future__ import annotations
@@ -49,10 +47,7 @@ def register_models(register: Callable[[ModelSpec], None]) -> None:
 
 @hookimpl
 def register_kernels(register: Callable[[KernelSpec], None]) -> None:
-    from .next_opnames import NEXT_MODEL_OPS
     from .opnames import MODEL_OPS
 
     for op in MODEL_OPS:
         register(KernelSpec(op, "numpy", f"ds4_model_glm5.ops:{op}"))
-    for op in NEXT_MODEL_OPS:
-        register(KernelSpec(op, "numpy", f"ds4_model_glm5.next_ops:{op}"))

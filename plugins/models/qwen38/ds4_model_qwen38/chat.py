@@ -83,7 +83,8 @@ def _tool_calls(message: Mapping[str, Any], where: str) -> list[str]:
     for position, call in enumerate(message.get("tool_calls") or ()):
         function = call.get("function") if isinstance(call, Mapping) else None
         if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
-            raise TemplateError(f'{where}: tool call {position} needs {{"function": {{"name": ..., "arguments": ...}}}}')
+            raise TemplateError(f'{where}: tool call {position} needs '
+                                '{"function": {"name": ..., "arguments": ...}}')
         arguments = function.get("arguments") or {}
         if isinstance(arguments, str):
             try:

@@ -252,8 +252,8 @@ class _Planner:
     def add(self, name: str, value: Callable[[], np.ndarray], shape: tuple[int, ...], kind: str = "matrix") -> None:
         self.plan.append(Planned(name, shape, _qtype(kind, self.outtype, shape[-1]), lambda: iter([value()])))
 
-    def copy(self, name: str, hf: str, kind: str = "matrix", transform: Callable[[np.ndarray], np.ndarray] | None = None,
-             shape: tuple[int, ...] | None = None) -> None:
+    def copy(self, name: str, hf: str, kind: str = "matrix",
+             transform: Callable[[np.ndarray], np.ndarray] | None = None, shape: tuple[int, ...] | None = None) -> None:
         src = self.source
         self.names.add(hf)
 
@@ -363,7 +363,8 @@ class _Planner:
             self.names.add(name)
             if self.source.has(name) and self.source.read(name).tolist() != list(values):
                 raise ConversionError(f"{name} does not match the n-gram hash that config.json implies; the config "
-                                      "(seed, ngram_vocab_size_base, vocab_size, ple_layer_ids) does not fit the weights")
+                                      "(seed, ngram_vocab_size_base, vocab_size, ple_layer_ids) does not fit the "
+                                      "weights")
 
     def ngram_table(self) -> None:
         """Stack every PLE layer's table (single tensor or ``shard_k`` pieces) into :data:`NGRAM_TABLE`."""

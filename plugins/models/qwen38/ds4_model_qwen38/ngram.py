@@ -22,7 +22,7 @@ DEFAULT_CACHE_ROWS = 4096
 
 
 def shifted_history(tokens: np.ndarray, context: int, eos: int) -> np.ndarray:
-    """Token ``p − s`` for every position ``p ≥ context`` of ``tokens`` and shift ``s = 0..context``, as ``[T, context+1]``.
+    """Token ``p − s`` for each position ``p ≥ context`` of ``tokens`` and shift ``s = 0..context``: ``[T, context+1]``.
 
     A shifted token is replaced by ``eos`` when an ``eos`` lies in ``tokens[p−s .. p−1]``: n-grams never reach
     back across an end of sequence. ``tokens`` int64 ``[context + T]`` (the first ``context`` are history).

@@ -67,9 +67,8 @@ def test_value_changes(tiny_hf, converted):
 
 
 def test_unknown_tensor_is_refused(tiny_hf, tmp_path):
-    from safetensors.numpy import save_file
-
     from ds4_model_qwen38.convert import convert
+    from safetensors.numpy import save_file
 
     src, _ = tiny_hf("a")
     copy = tmp_path / "src"
