@@ -117,17 +117,43 @@ def cache_dir() -> Path:
 @click.option("--think/--nothink", default=False, show_default=True, help="Let the model reason before answering.")
 @click.option("--system", help="System prompt.")
 @click.option("--raw", is_flag=True, help="Feed the prompt as plain text, without the chat template.")
+@click.option("--qat-rounding", is_flag=True,
+              help="DeepSeek V4: simulate ds4's FP8 KV and FP4 indexer rounding (same as -O qat_rounding=true).")
+@click.option("-O", "--model-option", "model_options", multiple=True, metavar="KEY=VALUE",
+              help="An option for the model plugin (repeatable); unknown keys are refused by the plugin.")
 def run(model: str | None, prompt: str | None, prompt_file: Any, max_tokens: int, temp: float, top_k: int,
         top_p: float, min_p: float, seed: int | None, ctx: int | None, backend: str, think: bool,
-        system: str | None, raw: bool) -> None:
+        system: str | None, raw: bool, qat_rounding: bool, model_options: tuple[str, ...]) -> None:
     """Generate text from a model, streaming it to stdout."""
     from .run import run_command
 
     if prompt_file is not None:
         prompt = prompt_file.read()
+    options = parse_model_options(model_options)
+    if qat_rounding:
+        options["qat_rounding"] = True
     run_command(resolve_model_path(model), prompt=prompt, max_tokens=max_tokens, temp=temp, top_k=top_k,
                 top_p=top_p, min_p=min_p, seed=seed, ctx=ctx, backend=backend, think=think, system=system,
-                raw=raw, default_model=model is None or model.startswith("tiny:"))
+                raw=raw, default_model=model is None or model.startswith("tiny:"), options=options)
+
+
+def parse_model_options(pairs: tuple[str, ...]) -> dict[str, Any]:
+    """``KEY=VALUE`` strings to a dict; values read as bool, int, float or else string."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key:
+            raise Ds4Error(f"model option {pair!r} is not KEY=VALUE")
+        value: Any = {"true": True, "false": False}.get(text.lower(), text)
+        if isinstance(value, str):
+            for cast in (int, float):
+                try:
+                    value = cast(text)
+                    break
+                except ValueError:
+                    pass
+        options[key.replace("-", "_")] = value
+    return options
 
 
 @cli.command()

@@ -16,9 +16,9 @@ from .sampling import SamplingParams
 
 def run_command(path: Path, *, prompt: str | None, max_tokens: int, temp: float, top_k: int, top_p: float,
                 min_p: float, seed: int | None, ctx: int | None, backend: str, think: bool, system: str | None,
-                raw: bool, default_model: bool) -> None:
+                raw: bool, default_model: bool, options: dict[str, Any]) -> None:
     """Load ``path`` and generate; without ``prompt``, chat turn by turn on stdin."""
-    engine = Engine.load(path, backend=backend, ctx=ctx, progress=sys.stderr.isatty())
+    engine = Engine.load(path, backend=backend, ctx=ctx, progress=sys.stderr.isatty(), **options)
     if default_model:
         name = str(engine.gguf.metadata.get("general.name") or engine.spec.name)
         noise = " — its weights are random, so the text is noise" if "random" in name.lower() else ""

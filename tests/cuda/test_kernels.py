@@ -157,8 +157,9 @@ def test_moe_route(cuda_backend, rng):
         np.testing.assert_allclose(cuda_backend.to_numpy(w), want_w, rtol=1e-5)
 
 
-def test_deepseek4_ops(cuda_backend, rng):
+def test_hc_and_deepseek4_ops(cuda_backend, rng):
     from ds4_backend_cuda import deepseek4_ops as cu
+    from ds4_backend_cuda import hc_ops as hc
     from ds4_model_deepseek4 import ops as dref
 
     from ds4_core import ops_hc
@@ -169,22 +170,22 @@ def test_deepseek4_ops(cuda_backend, rng):
     fn_ref, fn = _pair(cuda_backend, "F16", ((2 + n) * n, n * D), rng)
     sc_ref, sc = _pair(cuda_backend, "F32", (3,), rng)
     base_ref, base = _pair(cuda_backend, "F32", ((2 + n) * n,), rng)
-    got = cu.hc_pre(xp(S), fn, sc, base, 20, 1e-6, 1e-6)
+    got = hc.hc_pre(xp(S), fn, sc, base, 20, 1e-6, 1e-6)
     want = ops_hc.hc_pre(S, fn_ref, sc_ref, base_ref, 20, 1e-6, 1e-6)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(host(g), w, rtol=1e-4, atol=1e-5)
     y = rng.standard_normal((T, D), dtype=np.float32)
-    np.testing.assert_allclose(host(cu.hc_post(xp(S), xp(y), got[1], got[2])),
+    np.testing.assert_allclose(host(hc.hc_post(xp(S), xp(y), got[1], got[2])),
                                ops_hc.hc_post(S, y, want[1], want[2]), rtol=1e-4, atol=1e-5)
     hfn_ref, hfn = _pair(cuda_backend, "F16", (n, n * D), rng)
     hs_ref, hs = _pair(cuda_backend, "F32", (1,), rng)
     hb_ref, hb = _pair(cuda_backend, "F32", (n,), rng)
-    np.testing.assert_allclose(host(cu.hc_head(xp(S), hfn, hs, hb, 1e-6, 1e-6)),
+    np.testing.assert_allclose(host(hc.hc_head(xp(S), hfn, hs, hb, 1e-6, 1e-6)),
                                ops_hc.hc_head(S, hfn_ref, hs_ref, hb_ref, 1e-6, 1e-6), rtol=1e-4, atol=1e-5)
     kv = rng.standard_normal((2, 8, 16), dtype=np.float32)
     gate = rng.standard_normal((2, 8, 16), dtype=np.float32)
     gate[0, :4] = -np.inf
-    np.testing.assert_allclose(host(cu.softmax_pool(xp(kv), xp(gate))), ops_hc.softmax_pool(kv, gate),
+    np.testing.assert_allclose(host(hc.softmax_pool(xp(kv), xp(gate))), ops_hc.softmax_pool(kv, gate),
                                rtol=1e-5, atol=1e-6)
     rows = rng.standard_normal((5, 96), dtype=np.float32) * 3
     np.testing.assert_allclose(host(cu.fp8_kv_round(xp(rows), 32)), dref.fp8_kv_round(rows, 32), rtol=1e-6)

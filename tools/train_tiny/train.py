@@ -1,15 +1,17 @@
-"""Train the tiny DeepSeek V4 model on the token streams written by ``prepare.py`` (one GPU, fixed seeds).
+"""Train one family's tiny model on the token streams written by ``prepare.py`` (one GPU, fixed seeds).
 
-The model is a ``transformers.DeepseekV4ForCausalLM`` with all three attention layer types (sliding, CSA, HCA),
-hash-routed and top-k-routed MoE layers and mHC. Hash routing tables are drawn once from the seed (distinct experts
-per token); the top-k routers' selection biases follow DeepSeek's auxiliary-loss-free balancing (after each step,
-nudged up for under-loaded experts and down for over-loaded ones). The MTP block is not trained: transformers
-does not instantiate it.
+The models are defined in ``families.py``: DeepSeek V4 (``DeepseekV4ForCausalLM``: sliding, CSA and HCA
+attention, hash-routed and top-k-routed MoE, mHC), GLM 5.3 Flash (``Glm5NextForConditionalGeneration``: KDA and
+NoPE MLA with the pooled indexer, hyper-connections) and Qwen3.8 Flash Next (``Qwen4ExpForCausalLM``: gated
+delta-net and QSA attention, n-gram PLE, hyper-connections). Routers with a selection bias (DeepSeek, GLM) follow
+DeepSeek's auxiliary-loss-free balancing (after each step, the bias is nudged up for under-loaded experts and down
+for over-loaded ones); Qwen's softmax router adds transformers' load-balancing loss. MTP blocks are not trained:
+transformers does not instantiate them. Several families can train at once on one GPU (one process each).
 
-Writes into ``--out``: ``model/`` (save_pretrained + tokenizer files), ``loss.json`` (per-step training loss,
-periodic held-out loss, final held-out loss) and ``loss.png``.
+Writes into ``--out``: ``model/`` (save_pretrained in ``--save-dtype`` + tokenizer files), ``loss.json``
+(per-step training loss, periodic held-out loss, final held-out loss) and ``loss.png``.
 
-Run: ``python tools/train_tiny/train.py --data .carry/train_tiny --out OUT [--steps N | --minutes M]``
+Run: ``python tools/train_tiny/train.py --family F --data .carry/train_tiny --out OUT [--steps N | --minutes M]``
 """
 
 from __future__ import annotations
@@ -23,47 +25,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+from families import FAMILIES, Family
 
-# The shipped model. Row lengths (the last dimension of every matrix) are multiples of 32 for Q8_0.
-MODEL_CONFIG = {
-    "hidden_size": 256,
-    "num_hidden_layers": 6,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 1,
-    "head_dim": 64,
-    "partial_rotary_factor": 0.25,
-    "q_lora_rank": 128,
-    "o_groups": 2,
-    "o_lora_rank": 64,
-    "n_routed_experts": 8,
-    "num_experts_per_tok": 2,
-    "n_shared_experts": 1,
-    "moe_intermediate_size": 128,
-    "index_n_heads": 8,
-    "index_head_dim": 32,
-    "index_topk": 32,
-    "sliding_window": 64,
-    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
-    "layer_types": ["sliding_attention", "sliding_attention", "compressed_sparse_attention",
-                    "heavily_compressed_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
-    "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe", "moe", "moe"],
-    "hc_mult": 4,
-    "hc_sinkhorn_iters": 20,
-    "hc_eps": 1e-6,
-    "rms_norm_eps": 1e-6,
-    "swiglu_limit": 10.0,
-    "routed_scaling_factor": 1.5,
-    "scoring_func": "sqrtsoftplus",
-    "rope_theta": 10000.0,
-    "compress_rope_theta": 160000.0,
-    "rope_scaling": {"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 256, "beta_fast": 32,
-                     "beta_slow": 1},
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": False,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-}
 SEQ_LEN = 512
 BATCH = 32
 PEAK_LR = 3e-3
@@ -72,22 +35,6 @@ BIAS_UPDATE_RATE = 1e-3  # aux-loss-free balancing step (DeepSeek V3 uses 0.001)
 EVAL_EVERY = 200
 EVAL_WINDOWS = 64
 CALIBRATE = (10, 40)  # steps timed to choose the step count when none is given
-
-
-def build_model(vocab_size: int, seed: int) -> DeepseekV4ForCausalLM:
-    """A freshly initialised model; hash tables hold ``num_experts_per_tok`` distinct experts per token."""
-    config = DeepseekV4Config(vocab_size=vocab_size, **MODEL_CONFIG)
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = DeepseekV4ForCausalLM(config)
-    gen = torch.Generator().manual_seed(seed)
-    for layer in model.model.layers:
-        gate = layer.mlp.gate
-        if hasattr(gate, "tid2eid"):
-            rows = [torch.randperm(config.n_routed_experts, generator=gen)[: config.num_experts_per_tok]
-                    for _ in range(vocab_size)]
-            gate.tid2eid.copy_(torch.stack(rows))
-    return model
 
 
 def batches(stream: np.ndarray, batch: int, seq_len: int, rng: np.random.Generator) -> torch.Tensor:
@@ -104,13 +51,13 @@ def heldout_windows(stream: np.ndarray, seq_len: int, limit: int | None = None) 
 
 
 @torch.no_grad()
-def mean_loss(model: DeepseekV4ForCausalLM, windows: torch.Tensor, device: str, batch: int = 32) -> float:
+def mean_loss(family: Family, model: torch.nn.Module, windows: torch.Tensor, device: str, batch: int = 32) -> float:
     """Mean next-token cross-entropy (nats) over all predicted positions of ``windows`` (float32, no autocast)."""
     model.eval()
     total, count = 0.0, 0
     for i in range(0, len(windows), batch):
         w = windows[i:i + batch].to(device)
-        logits = model(input_ids=w[:, :-1]).logits.float()
+        logits = family.forward(model, w[:, :-1])[0].float()
         total += torch.nn.functional.cross_entropy(logits.flatten(0, 1), w[:, 1:].flatten(), reduction="sum").item()
         count += w[:, 1:].numel()
     model.train()
@@ -118,14 +65,14 @@ def mean_loss(model: DeepseekV4ForCausalLM, windows: torch.Tensor, device: str, 
 
 
 class RouterBalancer:
-    """Auxiliary-loss-free load balancing of the top-k routers: counts expert loads through forward hooks."""
+    """Auxiliary-loss-free load balancing of the routers with a selection bias (their forward returns
+    ``(logits, weights, indices)``): counts expert loads through forward hooks."""
 
-    def __init__(self, model: DeepseekV4ForCausalLM):
+    def __init__(self, model: torch.nn.Module):
         self.loads: dict[torch.nn.Module, torch.Tensor] = {}
-        for layer in model.model.layers:
-            gate = layer.mlp.gate
-            if hasattr(gate, "e_score_correction_bias"):
-                gate.register_forward_hook(self._record)
+        for module in model.modules():
+            if hasattr(module, "e_score_correction_bias"):
+                module.register_forward_hook(self._record)
 
     def _record(self, module: torch.nn.Module, args: tuple, output: tuple) -> None:
         if module.training:
@@ -147,13 +94,15 @@ def lr_at(step: int, total: int) -> float:
     return PEAK_LR * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
 
-def train(data: Path, out: Path, steps: int | None, minutes: float, seed: int, device: str,
-          batch: int = BATCH) -> dict:
-    """Train, evaluate and save; return the log written to ``loss.json``."""
+def train(family: Family, data: Path, out: Path, steps: int | None, minutes: float, seed: int, device: str,
+          batch: int = BATCH, save_dtype: torch.dtype = torch.float32) -> dict:
+    """Train, evaluate and save; return the log written to ``loss.json``. Without ``steps``, training stops at
+    the latest after 1.15 x ``minutes`` even if the calibrated step count was too optimistic."""
+    data = data / family.name
     corpus = json.loads((data / "corpus.json").read_text())
-    train_stream = np.load(data / "train.npy")
-    held_stream = np.load(data / "heldout.npy")
-    model = build_model(corpus["vocab_size"], seed).to(device)
+    with np.load(data / "tokens.npz") as tokens:
+        train_stream, held_stream = tokens["train"], tokens["heldout"]
+    model = family.build(corpus["vocab_size"], seed).to(device)
     model.train()
     balancer = RouterBalancer(model)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
@@ -162,8 +111,8 @@ def train(data: Path, out: Path, steps: int | None, minutes: float, seed: int, d
                             lr=PEAK_LR, betas=(0.9, 0.95), fused=device == "cuda")
     rng = np.random.default_rng(seed)
     eval_windows = heldout_windows(held_stream, SEQ_LEN, EVAL_WINDOWS)
-    log: dict = {"seed": seed, "seq_len": SEQ_LEN, "batch": batch, "peak_lr": PEAK_LR, "train_loss": [],
-                 "heldout_loss": [], "parameters": sum(p.numel() for p in model.parameters())}
+    log: dict = {"family": family.name, "seed": seed, "seq_len": SEQ_LEN, "batch": batch, "peak_lr": PEAK_LR,
+                 "train_loss": [], "heldout_loss": [], "parameters": sum(p.numel() for p in model.parameters())}
     total = steps or 10**9
     t0 = time.time()
     step = 0
@@ -174,23 +123,23 @@ def train(data: Path, out: Path, steps: int | None, minutes: float, seed: int, d
             per_step = (time.time() - t_calibrate) / (CALIBRATE[1] - CALIBRATE[0])
             total = step + int((minutes * 60 - (time.time() - t0)) / per_step)
             print(f"calibrated: {total} steps ({per_step * 1000:.0f} ms/step)", flush=True)
-        if time.time() - t0 > 1.5 * minutes * 60 + 60:  # a safety stop: the step count above was too optimistic
+        if steps is None and time.time() - t0 > 1.15 * minutes * 60:  # the calibrated count was too optimistic
             total = step
             break
         for group in opt.param_groups:
             group["lr"] = lr_at(step, total)
         w = batches(train_stream, batch, SEQ_LEN, rng).to(device)
         with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=device == "cuda"):
-            logits = model(input_ids=w[:, :-1]).logits
+            logits, aux = family.forward(model, w[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), w[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss if aux is None else loss + aux.float()).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         balancer.step()
         log["train_loss"].append(round(loss.item(), 4))
         if step % EVAL_EVERY == 0 or step == total - 1:
-            held = mean_loss(model, eval_windows, device)
+            held = mean_loss(family, model, eval_windows, device)
             log["heldout_loss"].append([step, round(held, 4)])
             print(f"step {step}/{total} train {loss.item():.3f} heldout {held:.3f} "
                   f"{time.time() - t0:.0f}s", flush=True)
@@ -198,16 +147,16 @@ def train(data: Path, out: Path, steps: int | None, minutes: float, seed: int, d
     log["steps"] = total
     log["train_seconds"] = round(time.time() - t0, 1)
     log["tokens_seen"] = total * batch * SEQ_LEN
-    log["final_heldout_loss"] = round(mean_loss(model, heldout_windows(held_stream, SEQ_LEN), device), 4)
+    log["final_heldout_loss"] = round(mean_loss(family, model, heldout_windows(held_stream, SEQ_LEN), device), 4)
     print(f"final held-out loss {log['final_heldout_loss']:.4f} nats/token", flush=True)
-    model.to("cpu").save_pretrained(out / "model")
+    model.to("cpu", save_dtype).save_pretrained(out / "model")
     for name in ("tokenizer.json", "tokenizer_config.json", "corpus.json"):
         shutil.copy(data / name, out / "model" / name)
     (out / "loss.json").write_text(json.dumps(log))
     return log
 
 
-def plot(log: dict, path: Path) -> None:
+def plot(family: Family, log: dict, vocab_size: int, path: Path) -> None:
     """Training loss per step (and its moving average) with the periodic held-out loss."""
     import matplotlib
 
@@ -221,10 +170,10 @@ def plot(log: dict, path: Path) -> None:
     ax.plot(np.arange(24, 24 + smooth.size), smooth, color="tab:blue", label="training loss (25-step mean)")
     held = np.asarray(log["heldout_loss"])
     ax.plot(held[:, 0], held[:, 1], "o-", color="tab:orange", ms=3, label="held-out loss (64 windows)")
-    ax.axhline(math.log(4096), color="gray", ls="--", lw=0.8, label="uniform baseline ln(4096)")
+    ax.axhline(math.log(vocab_size), color="gray", ls="--", lw=0.8, label=f"uniform baseline ln({vocab_size})")
     ax.set_xlabel(f"step (batch {log['batch']} x {log['seq_len']} tokens)")
     ax.set_ylabel("cross-entropy (nats/token)")
-    ax.set_title("tiny DeepSeek V4 on the Python standard library")
+    ax.set_title(f"tiny {family.title} on the Python standard library")
     ax.set_ylim(0, 9)
     ax.legend()
     fig.tight_layout()
@@ -233,18 +182,24 @@ def plot(log: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", type=Path, required=True)
+    parser.add_argument("--family", choices=sorted(FAMILIES), required=True)
+    parser.add_argument("--data", type=Path, required=True, help="prepare.py's --out (holds one folder per family)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, help="fixed number of steps (default: calibrated from --minutes)")
     parser.add_argument("--minutes", type=float, default=3.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch", type=int, default=BATCH, help="windows per step")
+    parser.add_argument("--save-dtype", choices=("float32", "float16"), default="float32",
+                        help="dtype of the saved floating-point weights (float16 halves the transfer)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.backends.cuda.matmul.allow_tf32 = True
     args.out.mkdir(parents=True, exist_ok=True)
-    log = train(args.data, args.out, args.steps, args.minutes, args.seed, device, args.batch)
-    plot(log, args.out / "loss.png")
+    family = FAMILIES[args.family]
+    log = train(family, args.data, args.out, args.steps, args.minutes, args.seed, device, args.batch,
+                getattr(torch, args.save_dtype))
+    plot(family, log, json.loads((args.data / family.name / "corpus.json").read_text())["vocab_size"],
+         args.out / "loss.png")
 
 
 if __name__ == "__main__":

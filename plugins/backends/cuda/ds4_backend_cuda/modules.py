@@ -1,7 +1,7 @@
 """Compilation of the ``.cu`` sources through ``cupy.RawModule`` (NVRTC), once per process.
 
 Each weight format gets its own module (five kernels), so the formats compile in parallel threads and a
-process that needs one format compiles only that one. CuPy keys its on-disk kernel cache by source text and
+process that needs one format compiles only that one; the recurrent-layer kernels are one more module. CuPy keys its on-disk kernel cache by source text and
 options, so an unchanged source compiles once per machine; :func:`warm` forces that at load time rather than
 at the first token.
 """
@@ -55,15 +55,34 @@ def quant_kernel(kernel: str, qtype: str) -> Any:
     return quant_module(qtype).get_function(_expression(kernel, qtype))
 
 
+#: Column-register bounds the delta-rule kernel is instantiated for (a head's key width must fit one of them).
+DELTA_RULE_DK: tuple[int, ...] = (16, 32, 64, 128, 256)
+
+
+@functools.cache
+def recurrent_module() -> Any:
+    """The compiled ``recurrent.cu``: ``short_conv`` and ``delta_rule<DK>`` for each of :data:`DELTA_RULE_DK`."""
+    import cupy
+
+    names = ["short_conv", *(f"delta_rule<{dk}>" for dk in DELTA_RULE_DK)]
+    module = cupy.RawModule(code=source("recurrent.cu"), options=_OPTIONS, name_expressions=names)
+    for name in names:
+        module.get_function(name)
+    return module
+
+
 def warm() -> None:
-    """Compile (or load from CuPy's cache) every format's module now, the formats in parallel."""
+    """Compile (or load from CuPy's cache) every module now, in parallel."""
     import cupy
 
     device = cupy.cuda.Device().id
 
-    def build(qtype: str) -> None:
+    def build(qtype: str | None) -> None:
         with cupy.cuda.Device(device):
-            quant_module(qtype)
+            if qtype is None:
+                recurrent_module()
+            else:
+                quant_module(qtype)
 
-    with ThreadPoolExecutor(max_workers=len(QUANT_TYPES)) as pool:
-        list(pool.map(build, QUANT_TYPES))
+    with ThreadPoolExecutor(max_workers=len(QUANT_TYPES) + 1) as pool:
+        list(pool.map(build, (*QUANT_TYPES, None)))

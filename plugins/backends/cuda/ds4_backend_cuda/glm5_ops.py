@@ -1,0 +1,48 @@
+"""GLM-5.x-only ops on CUDA (same signatures as ``ds4_model_glm5.ops``), CuPy float32."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cupy as cp
+
+from ds4_core.backend import Weight
+
+from .ops import topk, values
+
+F32 = cp.float32
+
+
+def layer_norm(x: Any, w: Weight, b: Weight, eps: float) -> Any:
+    """``(x − mean) · rsqrt(var + eps) · w + b`` over the last axis; ``x [..., D]``, ``w``/``b`` ``[D]``."""
+    x = cp.asarray(x, dtype=F32)
+    centred = x - x.mean(axis=-1, keepdims=True)
+    y = centred / cp.sqrt(cp.mean(centred * centred, axis=-1, keepdims=True) + F32(eps))
+    return (y * values(w) + values(b)).astype(F32)
+
+
+def moe_route_sigmoid(logits: Any, bias: Weight | None, k: int, routed_scale: float, n_group: int,
+                      topk_group: int, normalize: bool) -> tuple[Any, Any]:
+    """Sigmoid, group-limited router: ``logits [T, E]`` -> (expert ids int32 ``[T, k]``, weights ``[T, k]``).
+
+    Groups score the sum of their two best biased scores; the ``topk_group`` best groups stay; the top-k experts
+    among them win (ties to the lowest id). Weights: the unbiased scores, renormalised if ``normalize``, times
+    ``routed_scale``.
+    """
+    scores = (1 / (1 + cp.exp(-cp.asarray(logits, dtype=F32)))).astype(F32)
+    choice = scores + values(bias) if bias is not None else scores
+    if n_group > 1:
+        T, E = choice.shape
+        grouped = choice.reshape(T, n_group, E // n_group)
+        best_two = cp.sort(grouped, axis=-1)[:, :, -2:].sum(axis=-1)  # [T, n_group]
+        kept = cp.zeros((T, n_group), dtype=bool)
+        cp.put_along_axis(kept, topk(best_two, topk_group), True, axis=-1)
+        choice = cp.where(cp.repeat(kept, E // n_group, axis=1), choice, -cp.inf)
+    idx = topk(choice, k)
+    w = cp.take_along_axis(scores, idx, axis=-1)
+    if normalize:
+        w = w / (w.sum(axis=-1, keepdims=True) + F32(1e-20))
+    return idx, (w * F32(routed_scale)).astype(F32)
+
+
+GLM5_OPS = {"layer_norm": layer_norm, "moe_route_sigmoid": moe_route_sigmoid}

@@ -1,0 +1,71 @@
+"""Hyper-connection and softmax-pool core ops on CUDA (same signatures as :mod:`ds4_core.ops_hc`), CuPy float32.
+
+Shared by DeepSeek V4 and GLM 5.3 Flash. ``S [T, n, D]`` is the residual state of ``n`` streams per token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cupy as cp
+
+from ds4_core.backend import Weight
+
+from .ops import linear, values
+
+F32 = cp.float32
+
+
+def _sigmoid(x: Any) -> Any:
+    return (1 / (1 + cp.exp(-x))).astype(F32)
+
+
+def _hc_mix(S: Any, fn: Weight, norm_eps: float) -> Any:
+    flat = S.reshape(S.shape[0], -1).astype(F32)
+    z = flat / cp.sqrt(cp.mean(flat * flat, axis=-1, keepdims=True) + F32(norm_eps))
+    return linear(z, fn)
+
+
+def hc_pre(S: Any, fn: Weight, scale: Weight, base: Weight, iters: int, eps: float,
+           norm_eps: float) -> tuple[Any, Any, Any]:
+    """``S [T, n, D]`` -> (``c [T, D]``, ``post [T, n]``, ``comb [T, n, n]``), Sinkhorn-balanced ``comb``."""
+    n = S.shape[1]
+    mix = _hc_mix(S, fn, norm_eps)
+    b, s = values(base), values(scale)
+    pre = _sigmoid(mix[:, :n] * s[0] + b[:n]) + F32(eps)
+    post = 2 * _sigmoid(mix[:, n:2 * n] * s[1] + b[n:2 * n])
+    logits = mix[:, 2 * n:].reshape(-1, n, n) * s[2] + b[2 * n:].reshape(n, n)
+    comb = cp.exp(logits - logits.max(axis=-1, keepdims=True))
+    comb = comb / comb.sum(axis=-1, keepdims=True) + F32(eps)
+    comb = comb / (comb.sum(axis=-2, keepdims=True) + F32(eps))
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(axis=-1, keepdims=True) + F32(eps))
+        comb = comb / (comb.sum(axis=-2, keepdims=True) + F32(eps))
+    c = cp.einsum("tn,tnd->td", pre, S)
+    return c.astype(F32), post.astype(F32), comb.astype(F32)
+
+
+def hc_post(S: Any, y: Any, post: Any, comb: Any) -> Any:
+    """``S'_k = post_k · y + Σ_i comb[i, k] · S_i``; ``S [T, n, D]`` -> ``[T, n, D]``."""
+    return (post[:, :, None] * y[:, None, :] + cp.einsum("tik,tid->tkd", comb, S)).astype(F32)
+
+
+def hc_head(S: Any, fn: Weight, scale: Weight, base: Weight, eps: float, norm_eps: float) -> Any:
+    """Final collapse of the streams ``S [T, n, D]`` -> ``[T, D]``."""
+    w = _sigmoid(_hc_mix(S, fn, norm_eps) * values(scale)[0] + values(base)) + F32(eps)
+    return cp.einsum("tn,tnd->td", w, S).astype(F32)
+
+
+def softmax_pool(kv: Any, gate: Any) -> Any:
+    """Per channel, softmax of ``gate [N, S, d]`` over slots weights ``kv [N, S, d]`` -> ``[N, d]``."""
+    p = cp.exp(gate - gate.max(axis=1, keepdims=True))
+    p = p / p.sum(axis=1, keepdims=True)
+    return cp.sum(p * kv, axis=1).astype(F32)
+
+
+HC_OPS = {
+    "hc_pre": hc_pre,
+    "hc_post": hc_post,
+    "hc_head": hc_head,
+    "softmax_pool": softmax_pool,
+}
