@@ -99,7 +99,7 @@ _E8M0_HALF = np.ldexp(np.float32(1), np.arange(256) - 128).astype(np.float32)
 
 
 @functools.cache
-def _iq2xxs_tables() -> tuple[np.ndarray, np.ndarray]:
+def iq2xxs_tables() -> tuple[np.ndarray, np.ndarray]:
     """(grid (256, 8) float32 magnitudes, signs (128, 8) float32 of +-1) for IQ2_XXS.
 
     The grid is data taken from the gguf package: 256 rows of 8 two-bit codes
@@ -186,7 +186,7 @@ def _dequantize_q2_k(blocks: np.ndarray) -> np.ndarray:
 
 def _dequantize_iq2_xxs(blocks: np.ndarray) -> np.ndarray:
     n = len(blocks)
-    grid, signs = _iq2xxs_tables()
+    grid, signs = iq2xxs_tables()
     d, groups = _f16(blocks[:, :2]), blocks[:, 2:].reshape(n, 8, 8)
     # Each 32-element group: 4 grid indices, then a u32 with four 7-bit sign indices and a 4-bit scale on top.
     aux = np.ascontiguousarray(groups[:, :, 4:]).view("<u4")[:, :, 0]

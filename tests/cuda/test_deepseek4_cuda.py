@@ -40,10 +40,13 @@ def _ops(backend) -> Ops:
         from ds4_model_deepseek4.ops import DEEPSEEK4_OPS
 
         from ds4_core.ops import CORE_OPS
-    else:
-        from ds4_backend_cuda.deepseek4_ops import DEEPSEEK4_OPS
-        from ds4_backend_cuda.ops import CUDA_OPS as CORE_OPS
-    return Ops(backend, {**CORE_OPS, **DEEPSEEK4_OPS})
+
+        return Ops(backend, {**CORE_OPS, **DEEPSEEK4_OPS})
+    from ds4_backend_cuda.plugin import kernel_refs
+
+    from ds4_core.descriptors import resolve
+
+    return Ops(backend, {op: resolve(ref) for op, ref in kernel_refs().items()})
 
 
 def _run(path: Path, backend, chunks: list[int], ids: np.ndarray, **options) -> np.ndarray:

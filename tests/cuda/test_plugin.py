@@ -12,17 +12,42 @@ from ds4_core.descriptors import BackendSpec, KernelSpec
 from ds4_core.ops import CORE_OPS
 
 
+def _cuda_ops() -> set[str]:
+    kernels: list[KernelSpec] = []
+    plugin.register_kernels(kernels.append)
+    assert {k.backend for k in kernels} == {"cuda"}
+    return {k.op for k in kernels}
+
+
 def test_registers_backend_and_a_kernel_for_every_deepseek4_graph_op():
     backends: list[BackendSpec] = []
-    kernels: list[KernelSpec] = []
     plugin.register_backends(backends.append)
-    plugin.register_kernels(kernels.append)
     assert [b.name for b in backends] == ["cuda"]
-    ops = {k.op for k in kernels if k.backend == "cuda"}
     from ds4_model_deepseek4.opnames import GRAPH_OPS, MODEL_OPS
 
-    assert set(GRAPH_OPS) | set(MODEL_OPS) <= ops
-    assert set(plugin.CORE_OPS) <= set(CORE_OPS)  # every CUDA core kernel names an op of the vocabulary
+    assert set(GRAPH_OPS) | set(MODEL_OPS) <= _cuda_ops()
+    assert set(plugin.CORE_OPS) == set(CORE_OPS)  # the whole core vocabulary, hyper-connection and recurrent ops too
+
+
+def test_a_kernel_for_every_glm5_and_qwen38_graph_op():
+    from ds4_model_glm5.next_opnames import NEXT_GRAPH_OPS
+    from ds4_model_glm5.opnames import GRAPH_OPS as GLM52_OPS
+    from ds4_model_glm5.opnames import MODEL_OPS as GLM5_MODEL_OPS
+    from ds4_model_qwen38.opnames import GRAPH_OPS as QWEN38_OPS
+    from ds4_model_qwen38.opnames import MODEL_OPS as QWEN38_MODEL_OPS
+
+    assert set(GLM52_OPS) | set(NEXT_GRAPH_OPS) | set(QWEN38_OPS) <= _cuda_ops()
+    assert set(plugin.MODEL_KERNELS["glm5_ops"]) == set(GLM5_MODEL_OPS)
+    assert set(plugin.MODEL_KERNELS["qwen38_ops"]) == set(QWEN38_MODEL_OPS)
+
+
+def test_kernel_references_name_modules_and_functions_of_the_package():
+    import importlib.util
+
+    for op, ref in plugin.kernel_refs().items():
+        module, function = ref.split(":")
+        assert function == op and module.startswith("ds4_backend_cuda.")
+        assert importlib.util.find_spec(module) is not None, ref
 
 
 def test_importing_the_plugin_and_probing_leave_cupy_unimported():

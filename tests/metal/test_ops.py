@@ -1,4 +1,5 @@
-"""Each MLX kernel against its numpy reference (ds4_core.ops, ds4_model_deepseek4.ops) on the same weights."""
+"""Each MLX core op and DeepSeek op against its numpy reference (ds4_core.ops, ds4_model_deepseek4) on the same
+weights. The recurrent, GLM and Qwen ops are in test_metal_model_ops.py."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from ds4_backend_metal import deepseek4_ops as ds_mlx
+from ds4_backend_metal import hc_ops as hc_mlx
 from ds4_backend_metal import ops as mlx_ops
 from ds4_model_deepseek4 import ops as ds_ref
 
@@ -60,6 +62,14 @@ def test_linear(pair, rng, qtype):
 def test_grouped_linear(pair, rng, qtype):
     wn, wm = pair(qtype, (4 * 16, 64))
     x = _x(rng, 6, 4, 64)
+    _close(mlx_ops.grouped_linear(mx.array(x), wm), ref.grouped_linear(x, wn))
+
+
+@pytest.mark.parametrize("qtype", ["F32", "BF16", "Q8_0", "Q4_K", "Q2_K"])
+def test_grouped_linear_with_a_3d_weight(pair, rng, qtype):
+    # GLM's attn_k_b / attn_v_b: [G, out, in] (Q2_K stays raw blocks when 3-D)
+    wn, wm = pair(qtype, (4, 16, 256))
+    x = _x(rng, 6, 4, 256)
     _close(mlx_ops.grouped_linear(mx.array(x), wm), ref.grouped_linear(x, wn))
 
 
@@ -141,20 +151,20 @@ def test_hc_pre_post_head(pair, rng):
     T, n, D = 5, 4, 32
     S = _x(rng, T, n, D)
     (fn_n, fn_m), (sc_n, sc_m), (b_n, b_m) = _hc_weights(pair, n, D, (2 + n) * n)
-    got = ds_mlx.hc_pre(mx.array(S), fn_m, sc_m, b_m, 20, 1e-6, 1e-6)
+    got = hc_mlx.hc_pre(mx.array(S), fn_m, sc_m, b_m, 20, 1e-6, 1e-6)
     want = ops_hc.hc_pre(S, fn_n, sc_n, b_n, 20, 1e-6, 1e-6)
     for g, w in zip(got, want, strict=True):
         _close(g, w)
     y = _x(rng, T, D)
-    _close(ds_mlx.hc_post(mx.array(S), mx.array(y), got[1], got[2]), ops_hc.hc_post(S, y, want[1], want[2]))
+    _close(hc_mlx.hc_post(mx.array(S), mx.array(y), got[1], got[2]), ops_hc.hc_post(S, y, want[1], want[2]))
     (hn, hm), (hsn, hsm), (hbn, hbm) = pair("F32", (n, n * D)), pair("F32", (1,)), pair("F32", (n,))
-    _close(ds_mlx.hc_head(mx.array(S), hm, hsm, hbm, 1e-6, 1e-6), ops_hc.hc_head(S, hn, hsn, hbn, 1e-6, 1e-6))
+    _close(hc_mlx.hc_head(mx.array(S), hm, hsm, hbm, 1e-6, 1e-6), ops_hc.hc_head(S, hn, hsn, hbn, 1e-6, 1e-6))
 
 
 def test_softmax_pool(rng):
     kv, gate = _x(rng, 3, 8, 16), _x(rng, 3, 8, 16)
     gate[0, :4] = -np.inf  # slots without a previous window
-    _close(ds_mlx.softmax_pool(mx.array(kv), mx.array(gate)), ops_hc.softmax_pool(kv, gate))
+    _close(hc_mlx.softmax_pool(mx.array(kv), mx.array(gate)), ops_hc.softmax_pool(kv, gate))
 
 
 def test_fp8_kv_round(rng):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import structlog.testing
 from click.testing import CliRunner
-from ds4_backend_metal import deepseek4_ops, kernels, ops
+from ds4_backend_metal import hc_ops, kernels, ops, recurrent_ops
 from ds4_backend_metal.quant import RawBlocks
 
 
@@ -25,6 +25,15 @@ def _kernels_disabled_afterwards():
 
 def _wrong_sinkhorn(logits, iters, eps):
     return kernels.KERNELS["sinkhorn"].reference(logits, max(iters - 5, 1), eps)  # too few passes
+
+
+def _delta_without_decay(q, k, v, g, beta, state):
+    return recurrent_ops.delta_rule_steps(q, k, v, mx.zeros_like(g), beta, state)  # forgets to decay the memory
+
+
+def _delta_stale_state(q, k, v, g, beta, state):
+    o, _ = recurrent_ops.delta_rule_steps(q, k, v, g, beta, state)
+    return o, state  # right output, but the state is never written back
 
 
 def _raising(*args):
@@ -41,7 +50,8 @@ def _call_counting(fn, calls: list):
 def test_without_metal_every_kernel_is_skipped_and_disabled():
     assert not kernels.metal_available()
     results = kernels.verify_and_enable()
-    assert {r.name for r in results} == set(kernels.KERNELS) == {"iq2_xxs_gemv", "q2_k_gemv", "sinkhorn"}
+    assert {r.name for r in results} == set(kernels.KERNELS) == {"iq2_xxs_gemv", "q2_k_gemv", "sinkhorn",
+                                                                  "gated_delta_rule", "gated_delta_rule_kda"}
     assert all(r.status == "skipped" for r in results)
     assert all(kernels.active(name) is None for name in kernels.KERNELS)
 
@@ -50,11 +60,14 @@ def test_wrong_kernels_are_disabled_with_a_warning():
     wrong_gemv = lambda x, b, i: kernels.KERNELS["q2_k_gemv"].reference(x, b, i) * 1.001  # noqa: E731
     with structlog.testing.capture_logs() as logged:
         results = kernels.verify_and_enable({"sinkhorn": _wrong_sinkhorn, "q2_k_gemv": wrong_gemv,
-                                             "iq2_xxs_gemv": _raising})
+                                             "iq2_xxs_gemv": _raising, "gated_delta_rule": _delta_without_decay,
+                                             "gated_delta_rule_kda": _delta_stale_state})
     status = {r.name: r for r in results}
     assert {name: r.status for name, r in status.items()} == {n: "failed" for n in kernels.KERNELS}
     assert "RuntimeError" in status["iq2_xxs_gemv"].detail
     assert "exceeds" in status["sinkhorn"].detail
+    assert status["gated_delta_rule"].detail.startswith("output 0: max error")
+    assert status["gated_delta_rule_kda"].detail.startswith("output 1: max error")  # the state is checked too
     assert all(kernels.active(name) is None for name in kernels.KERNELS)
     warnings = [e for e in logged if e["log_level"] == "warning" and "disabled" in e["event"]]
     assert sorted(e["kernel"] for e in warnings) == sorted(kernels.KERNELS)
@@ -68,14 +81,14 @@ def test_a_correct_kernel_is_enabled_and_used_by_the_op(rng):
     assert kernels.active("sinkhorn") is not None
     calls.clear()
     logits = mx.array(rng.standard_normal((3, 4, 4)).astype(np.float32))
-    comb = deepseek4_ops.sinkhorn(logits, 20, 1e-6)
+    comb = hc_ops.sinkhorn(logits, 20, 1e-6)
     S = mx.array(rng.standard_normal((3, 4, 8)).astype(np.float32))
     from ds4_core.backend import Weight
 
     w = lambda a: Weight("w", "F32", a.shape, mx.array(a))  # noqa: E731
     fn, scale, base = w(rng.standard_normal((24, 32)).astype(np.float32)), w(np.ones(3, np.float32)), \
         w(np.zeros(24, np.float32))
-    deepseek4_ops.hc_pre(S, fn, scale, base, 20, 1e-6, 1e-6)
+    hc_ops.hc_pre(S, fn, scale, base, 20, 1e-6, 1e-6)
     assert calls == [1]  # the op went through the enabled kernel
     np.testing.assert_array_equal(np.array(sink.reference(logits, 20, 1e-6)), np.array(comb))
 
@@ -94,9 +107,37 @@ def test_after_a_failed_check_the_op_runs_the_exact_fallback(rng):
     np.testing.assert_array_equal(np.array(got), np.array(want))
 
 
+def test_after_a_failed_delta_check_decode_runs_the_exact_fallback(rng):
+    kernels.verify_and_enable({"gated_delta_rule": _delta_without_decay})
+    assert kernels.active("gated_delta_rule") is None
+    args = kernels.KERNELS["gated_delta_rule"].sample(rng)
+    q, k, v, g, beta, state = args
+    got = recurrent_ops.gated_delta_rule(q, k, v, g[..., 0], beta, state)  # the op takes a [T, H] decay
+    for got_part, want_part in zip(got, recurrent_ops.delta_rule_steps(*args), strict=True):
+        np.testing.assert_array_equal(np.array(got_part), np.array(want_part))
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per-head", "per-channel"])
+def test_a_correct_delta_kernel_serves_decode(rng, per_channel):
+    calls: list = []
+    name = "gated_delta_rule_kda" if per_channel else "gated_delta_rule"
+    results = kernels.verify_and_enable({name: _call_counting(kernels.KERNELS[name].reference, calls)})
+    assert {r.name: r.status for r in results}[name] == "passed"
+    other = "gated_delta_rule" if per_channel else "gated_delta_rule_kda"
+    assert kernels.active(other) is None  # each decay shape is verified and enabled on its own
+    calls.clear()
+    T, H, dk, dv = 1, 2, 8, 4
+    q, k = (mx.array(rng.standard_normal((T, H, dk)).astype(np.float32)) for _ in range(2))
+    v = mx.array(rng.standard_normal((T, H, dv)).astype(np.float32))
+    g = mx.array(-rng.random((T, H, dk) if per_channel else (T, H)).astype(np.float32))
+    beta, state = mx.array(rng.random((T, H)).astype(np.float32)), mx.zeros((H, dk, dv))
+    o, _ = recurrent_ops.gated_delta_rule(q, k, v, g, beta, state)
+    assert calls == [1] and o.shape == (T, H, dv)
+
+
 def test_kernel_sources_ship_with_the_package():
-    for name in kernels.KERNELS:
-        source = kernels._source(name)
+    for kernel in kernels.KERNELS.values():
+        source = kernels._source(kernel.source)
         assert "thread_position_in_grid" in source
 
 

@@ -14,6 +14,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from ds4_server.app import create_app, load_into
+from ds4_server.common import ServerConfig, ServerState
+from fastapi import FastAPI
 
 PLUGIN_DIR = Path(__file__).parent / "scripted_plugin"
 sys.path.insert(0, str(PLUGIN_DIR))
@@ -67,6 +70,14 @@ def run_server(gguf: Path, *args: str, env: dict | None = None) -> Iterator[Serv
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def in_process_app(gguf: Path, **options: object) -> FastAPI:
+    """The server's ASGI app over a loaded scripted model, without a subprocess (``options``: ServerConfig fields)."""
+    state = ServerState(ServerConfig(model_path=gguf, aliases=(MODEL,), **options))
+    load_into(state)
+    assert state.pool is not None, state.load_error
+    return create_app(state)
 
 
 @pytest.fixture(scope="session")

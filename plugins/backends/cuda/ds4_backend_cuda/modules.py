@@ -1,9 +1,9 @@
 """Compilation of the ``.cu`` sources through ``cupy.RawModule`` (NVRTC), once per process.
 
 Each weight format gets its own module (five kernels), so the formats compile in parallel threads and a
-process that needs one format compiles only that one; the recurrent-layer kernels are one more module. CuPy keys its on-disk kernel cache by source text and
-options, so an unchanged source compiles once per machine; :func:`warm` forces that at load time rather than
-at the first token.
+process that needs one format compiles only that one; the recurrent-layer kernels are one more module. CuPy keys
+its on-disk kernel cache by source text and options, so an unchanged source compiles once per machine;
+:func:`warm` forces that at load time rather than at the first token.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ def quant_module(qtype: str) -> Any:
     names = [_expression(kernel, qtype) for kernel in QUANT_KERNELS]
     module = cupy.RawModule(code=source("quant.cu"), options=_OPTIONS, name_expressions=names)
     if qtype == "IQ2_XXS":
-        from ds4_core.quants import _iq2xxs_tables
+        from ds4_core.quants import iq2xxs_tables
 
-        grid, _ = _iq2xxs_tables()
+        grid, _ = iq2xxs_tables()
         table = cupy.ndarray((grid.size,), cupy.uint8, module.get_global("iq2xxs_grid"))
         table[...] = cupy.asarray(grid.astype(np.uint8).reshape(-1))
     for name in names:  # compile now (RawModule compiles lazily), inside the caller's thread
@@ -64,9 +64,9 @@ def recurrent_module() -> Any:
     """The compiled ``recurrent.cu``: ``short_conv`` and ``delta_rule<DK>`` for each of :data:`DELTA_RULE_DK`."""
     import cupy
 
-    names = ["short_conv", *(f"delta_rule<{dk}>" for dk in DELTA_RULE_DK)]
-    module = cupy.RawModule(code=source("recurrent.cu"), options=_OPTIONS, name_expressions=names)
-    for name in names:
+    templates = [f"delta_rule<{dk}>" for dk in DELTA_RULE_DK]
+    module = cupy.RawModule(code=source("recurrent.cu"), options=_OPTIONS, name_expressions=templates)
+    for name in ("short_conv", *templates):  # short_conv is extern "C": found by its plain name
         module.get_function(name)
     return module
 

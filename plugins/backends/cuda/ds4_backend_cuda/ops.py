@@ -170,9 +170,9 @@ def linear(x: Any, w: Weight) -> Any:
 
 
 def grouped_linear(x: Any, w: Weight) -> Any:
-    """Block-diagonal projection: ``x [T, G, in]``, ``w [G·out, in]`` -> ``[T, G, out]``."""
+    """Block-diagonal projection: ``x [T, G, in]``, ``w [G·out, in]`` or ``[G, out, in]`` -> ``[T, G, out]``."""
     T, groups, ncols = x.shape
-    rows = w.shape[0] // groups
+    rows = w.shape[1] if len(w.shape) == 3 else w.shape[0] // groups
     out = cp.empty((T, groups, rows), dtype=F32)
     if T <= GEMV_TOKENS and rows % ROWS_PER_WARP == 0 and ncols % 8 == 0 and T > 0:
         x = cp.ascontiguousarray(x, dtype=F32)
@@ -288,12 +288,13 @@ def moe_experts(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, i
                 swiglu_limit: float) -> Any:
     """``Σ_j weights[t, j] · Expert_{idx[t, j]}(x[t])`` for ``x [T, D]``; reads only the selected experts.
 
-    Few pairs: per-pair GEMVs with the expert ids read on the device. Many (prefill): tokens grouped by
-    expert on the host, each expert's three matrices dequantized once and applied with cuBLAS.
+    Few pairs: per-pair GEMVs with the expert ids read on the device. Many (prefill), or rows whose width the
+    GEMV kernels cannot take (not a multiple of 8): tokens grouped by expert on the host, each expert's matrices
+    applied through :func:`matmul_raw`.
     """
     T, D = x.shape
     k = idx.shape[1]
-    if T * k <= MOE_PAIR_LIMIT or gate_exps.shape[2] % 8 or down_exps.shape[2] % 8:
+    if T * k <= MOE_PAIR_LIMIT and gate_exps.shape[2] % 8 == 0 and down_exps.shape[2] % 8 == 0:
         flat = cp.ascontiguousarray(idx.reshape(-1), dtype=cp.int32)
         h = _expert_gate_up(gate_exps, up_exps, flat, x, k, swiglu_limit)
         y = _expert_gemv(down_exps, flat, h, 1).reshape(T, k, D)
@@ -323,6 +324,8 @@ def _moe_grouped(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, 
     return out
 
 
+#: The kernels of this module (the hyper-connection and recurrent core ops live in :mod:`.hc_ops` and
+#: :mod:`.recurrent_ops`; :mod:`.plugin` registers them all).
 CUDA_OPS = {
     "embed": embed,
     "linear": linear,

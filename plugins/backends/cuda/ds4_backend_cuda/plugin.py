@@ -9,12 +9,20 @@ from ds4_core.hookspecs import hookimpl
 
 DS4_PLUGIN_API = 1
 
-#: Ops implemented in :mod:`ds4_backend_cuda.ops` (the core vocabulary).
-CORE_OPS: tuple[str, ...] = ("embed", "linear", "grouped_linear", "rms_norm", "rope", "swiglu", "topk",
-                             "sparse_attention", "indexer_scores", "moe_route", "moe_experts")
-#: Ops implemented in :mod:`ds4_backend_cuda.deepseek4_ops` (DeepSeek V4 only).
-DEEPSEEK4_OPS: tuple[str, ...] = ("hc_pre", "hc_post", "hc_head", "softmax_pool", "fp8_kv_round",
-                                  "fp4_hadamard_round")
+#: The core vocabulary on CUDA, by the module of this package that implements each op.
+CORE_KERNELS: dict[str, tuple[str, ...]] = {
+    "ops": ("embed", "linear", "grouped_linear", "rms_norm", "rope", "swiglu", "topk", "sparse_attention",
+            "indexer_scores", "moe_route", "moe_experts"),
+    "hc_ops": ("hc_pre", "hc_post", "hc_head", "softmax_pool"),
+    "recurrent_ops": ("short_conv", "gated_delta_rule", "gated_delta_rule_chunked"),
+}
+#: Model-specific ops (declared by the model plugins, numpy references there), by implementing module.
+MODEL_KERNELS: dict[str, tuple[str, ...]] = {
+    "deepseek4_ops": ("fp8_kv_round", "fp4_hadamard_round"),
+    "glm5_ops": ("layer_norm", "moe_route_sigmoid"),
+    "qwen38_ops": ("rope_half", "hc_mix", "gqa_attention", "moe_route_softmax"),
+}
+CORE_OPS: tuple[str, ...] = tuple(op for ops in CORE_KERNELS.values() for op in ops)
 #: GGML types the backend holds (integer tables included).
 QUANT_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q2_K", "IQ2_XXS", "MXFP4",
                                 "I32")
@@ -34,9 +42,13 @@ def register_backends(register: Callable[[BackendSpec], None]) -> None:
     ))
 
 
+def kernel_refs() -> dict[str, str]:
+    """``op -> "module:function"`` of every CUDA kernel (core and model-specific)."""
+    return {op: f"ds4_backend_cuda.{module}:{op}"
+            for table in (CORE_KERNELS, MODEL_KERNELS) for module, ops in table.items() for op in ops}
+
+
 @hookimpl
 def register_kernels(register: Callable[[KernelSpec], None]) -> None:
-    for op in CORE_OPS:
-        register(KernelSpec(op, "cuda", f"ds4_backend_cuda.ops:{op}"))
-    for op in DEEPSEEK4_OPS:
-        register(KernelSpec(op, "cuda", f"ds4_backend_cuda.deepseek4_ops:{op}"))
+    for op, ref in kernel_refs().items():
+        register(KernelSpec(op, "cuda", ref))

@@ -79,7 +79,7 @@ def gated_delta_rule(q: Any, k: Any, v: Any, log_decay: Any, beta: Any, state: A
 def gated_delta_rule_chunked(q: Any, k: Any, v: Any, log_decay: Any, beta: Any, state: Any,
                              chunk: int = DELTA_CHUNK) -> tuple[Any, Any]:
     """:func:`gated_delta_rule` ``chunk`` tokens at a time (the chunked form of :mod:`ds4_core.ops_recurrent`)."""
-    T, H, dk = k.shape
+    T, H = k.shape[:2]
     g = _f32(log_decay)
     if g.shape == (T, H):
         g = g[..., None]

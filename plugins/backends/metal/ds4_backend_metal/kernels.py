@@ -87,7 +87,7 @@ def _sinkhorn_metal(logits: mx.array, iters: int, eps: float) -> mx.array:
 
 
 def _sinkhorn_reference(logits: mx.array, iters: int, eps: float) -> mx.array:
-    from .deepseek4_ops import sinkhorn
+    from .hc_ops import sinkhorn
 
     return sinkhorn(logits, iters, eps)
 
@@ -109,10 +109,49 @@ def _sinkhorn_sample(rng: np.random.Generator) -> tuple:
     return mx.array(rng.standard_normal((5, 4, 4)).astype(np.float32) * 3), 20, 1e-6
 
 
+@functools.cache
+def _delta_kernel() -> Callable:
+    return mx.fast.metal_kernel(name="ds4_gated_delta_rule", input_names=["q", "k", "v", "g", "beta", "state"],
+                                output_names=["o", "new_state"], source=_source("gated_delta_rule"))
+
+
+def _delta_metal(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
+                 state: mx.array) -> tuple[mx.array, mx.array]:
+    """The custom gated-delta-rule kernel with the signature of :func:`.recurrent_ops.delta_rule_steps`."""
+    T, H, dk = k.shape
+    dv = v.shape[-1]
+    return tuple(_delta_kernel()(
+        inputs=[a.astype(mx.float32) for a in (q, k, v, g, beta, state)],
+        template=[("H", H), ("DK", dk), ("DV", dv), ("GK", g.shape[-1])],
+        grid=(dv, H, 1), threadgroup=(min(dv, 256), 1, 1),
+        output_shapes=[(T, H, dv), (H, dk, dv)], output_dtypes=[mx.float32, mx.float32]))
+
+
+def _delta_reference(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
+                     state: mx.array) -> tuple[mx.array, mx.array]:
+    from .recurrent_ops import delta_rule_steps
+
+    return delta_rule_steps(q, k, v, g, beta, state)
+
+
+def _delta_sample(per_channel: bool) -> Callable[[np.random.Generator], tuple]:
+    def sample(rng: np.random.Generator) -> tuple:
+        T, H, dk, dv = 3, 2, 128, 128  # the head sizes of the released models
+        q, k = (rng.standard_normal((T, H, dk)).astype(np.float32) for _ in range(2))
+        q, k = q / np.linalg.norm(q, axis=-1, keepdims=True), k / np.linalg.norm(k, axis=-1, keepdims=True)
+        v = rng.standard_normal((T, H, dv)).astype(np.float32)
+        g = -rng.random((T, H, dk if per_channel else 1)).astype(np.float32)
+        beta = rng.random((T, H)).astype(np.float32)
+        state = rng.standard_normal((H, dk, dv)).astype(np.float32)
+        return tuple(mx.array(a) for a in (q, k, v, g, beta, state))
+    return sample
+
+
 @attrs.frozen
 class CustomKernel:
     """A custom kernel: ``build()`` compiles it (Metal only); ``reference`` is its exact MLX-op path with the same
-    signature; ``sample(rng)`` makes small random arguments; outputs must agree within ``rtol``/``atol``."""
+    signature; ``sample(rng)`` makes small random arguments; outputs (an array or a tuple of arrays) must agree within
+    ``rtol``/``atol``."""
 
     name: str
     build: Callable[[], Callable]
@@ -120,6 +159,8 @@ class CustomKernel:
     sample: Callable[[np.random.Generator], tuple]
     rtol: float = 1e-4
     atol: float = 1e-5
+    #: Stem of its ``kernels/*.metal`` source (the name unless kernels share one).
+    source: str = attrs.field(default=attrs.Factory(lambda self: self.name, takes_self=True))
 
 
 KERNELS: dict[str, CustomKernel] = {k.name: k for k in (
@@ -128,6 +169,9 @@ KERNELS: dict[str, CustomKernel] = {k.name: k for k in (
     CustomKernel("q2_k_gemv", lambda: _gemv("q2_k_gemv"),
                  lambda x, b, i: _gemv_reference(x, b, i, "Q2_K"), _gemv_sample("Q2_K")),
     CustomKernel("sinkhorn", lambda: _sinkhorn_metal, _sinkhorn_reference, _sinkhorn_sample),
+    CustomKernel("gated_delta_rule", lambda: _delta_metal, _delta_reference, _delta_sample(False)),
+    CustomKernel("gated_delta_rule_kda", lambda: _delta_metal, _delta_reference, _delta_sample(True),
+                 source="gated_delta_rule"),
 )}
 
 
@@ -142,23 +186,34 @@ class CheckResult:
     detail: str
 
 
+def _outputs(result: object) -> list[np.ndarray]:
+    """A kernel's result (one array or a tuple of them) as host arrays."""
+    return [np.array(a) for a in (result if isinstance(result, tuple | list) else (result,))]
+
+
 def check(kernel: CustomKernel, impl: Callable, seed: int = 0) -> CheckResult:
-    """Run ``impl`` and ``kernel.reference`` on the same random inputs and compare them."""
+    """Run ``impl`` and ``kernel.reference`` on the same random inputs and compare every output."""
     args = kernel.sample(np.random.default_rng(seed))
-    want = np.array(kernel.reference(*args))
+    wanted = _outputs(kernel.reference(*args))
     try:
-        got = np.array(impl(*args))
+        got_all = _outputs(impl(*args))
     except Exception as exc:  # a kernel that does not even compile or run is a failed kernel
         return CheckResult(kernel.name, "failed", f"raised {type(exc).__name__}: {exc}")
-    if got.shape != want.shape:
-        return CheckResult(kernel.name, "failed", f"shape {got.shape}, expected {want.shape}")
-    if not np.isfinite(got).all():
-        return CheckResult(kernel.name, "failed", "non-finite output")
-    err = float(np.abs(got - want).max())
-    bound = kernel.atol + kernel.rtol * float(np.abs(want).max())
-    if err > bound:
-        return CheckResult(kernel.name, "failed", f"max error {err:.3g} exceeds {bound:.3g}")
-    return CheckResult(kernel.name, "passed", f"max error {err:.3g} (bound {bound:.3g})")
+    if len(got_all) != len(wanted):
+        return CheckResult(kernel.name, "failed", f"{len(got_all)} outputs, expected {len(wanted)}")
+    details = []
+    for i, (got, want) in enumerate(zip(got_all, wanted, strict=True)):
+        which = f"output {i}: " if len(wanted) > 1 else ""
+        if got.shape != want.shape:
+            return CheckResult(kernel.name, "failed", f"{which}shape {got.shape}, expected {want.shape}")
+        if not np.isfinite(got).all():
+            return CheckResult(kernel.name, "failed", f"{which}non-finite output")
+        err = float(np.abs(got - want).max())
+        bound = kernel.atol + kernel.rtol * float(np.abs(want).max())
+        if err > bound:
+            return CheckResult(kernel.name, "failed", f"{which}max error {err:.3g} exceeds {bound:.3g}")
+        details.append(f"{which}max error {err:.3g} (bound {bound:.3g})")
+    return CheckResult(kernel.name, "passed", "; ".join(details))
 
 
 def verify_and_enable(candidates: Mapping[str, Callable] | None = None,

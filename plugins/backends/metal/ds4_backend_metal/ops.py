@@ -55,18 +55,31 @@ def linear(x: mx.array, w: Weight) -> mx.array:
     return _matmul_t(x.astype(F32), w.data)
 
 
+def _split_groups(data: Any, groups: int) -> Any:
+    """A payload ``[G·out, in]`` (or already ``[G, out, in]``) viewed as ``[G, out, in]``."""
+    def split(a: mx.array) -> mx.array:
+        return a.reshape(groups, -1, a.shape[-1])
+
+    if isinstance(data, QuantMatrix):
+        biases = None if data.biases is None else split(data.biases)
+        return QuantMatrix(split(data.w), split(data.scales), biases, data.mode, data.bits)
+    if isinstance(data, RawBlocks):
+        return RawBlocks(split(data.blocks), data.qtype)
+    return split(data)
+
+
 def grouped_linear(x: mx.array, w: Weight) -> mx.array:
-    """``x [T, G, in]``, ``w [G·out, in]`` (group g's rows contiguous) -> ``[T, G, out]``."""
+    """Block-diagonal projection: ``x [T, G, in]``, ``w [G·out, in]`` (group g's rows contiguous) or ``[G, out, in]``
+    -> ``[T, G, out]``."""
     groups = x.shape[1]
-    out = w.shape[0] // groups
-    data = w.data
-    parts = []
-    for g in range(groups):
-        rows = mx.arange(g * out, (g + 1) * out)
-        part = data.rows(rows) if isinstance(data, QuantMatrix) else (
-            RawBlocks(data.blocks[rows], data.qtype) if isinstance(data, RawBlocks) else data[g * out:(g + 1) * out])
-        parts.append(_matmul_t(x[:, g], part))
-    return mx.stack(parts, axis=1)
+    data = _split_groups(w.data, groups)
+    xg = x.astype(F32).swapaxes(0, 1)  # [G, T, in]: one batched product per group
+    if isinstance(data, QuantMatrix):
+        y = mx.gather_qmm(xg, data.w, data.scales, data.biases, rhs_indices=mx.arange(groups), transpose=True,
+                          **data.kwargs())
+    else:
+        y = mx.matmul(xg, _dense(data).swapaxes(-1, -2))
+    return y.swapaxes(0, 1)
 
 
 def rms_norm(x: mx.array, w: Weight | None, eps: float) -> mx.array:

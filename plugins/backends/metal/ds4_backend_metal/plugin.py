@@ -12,12 +12,19 @@ from ds4_core.hookspecs import hookimpl
 
 DS4_PLUGIN_API = 1
 
-#: Ops implemented in :mod:`ds4_backend_metal.ops` (the core vocabulary).
-CORE_OPS: tuple[str, ...] = ("embed", "linear", "grouped_linear", "rms_norm", "rope", "swiglu", "topk",
-                             "sparse_attention", "indexer_scores", "moe_route", "moe_experts")
-#: Ops implemented in :mod:`ds4_backend_metal.deepseek4_ops` (DeepSeek V4 only).
-DEEPSEEK4_OPS: tuple[str, ...] = ("hc_pre", "hc_post", "hc_head", "softmax_pool", "fp8_kv_round",
-                                  "fp4_hadamard_round")
+#: Core ops (:mod:`ds4_core.ops` and its ``ops_hc`` / ``ops_recurrent`` parts), by implementing module.
+CORE_OPS: dict[str, tuple[str, ...]] = {
+    "ops": ("embed", "linear", "grouped_linear", "rms_norm", "rope", "swiglu", "topk", "sparse_attention",
+            "indexer_scores", "moe_route", "moe_experts"),
+    "hc_ops": ("hc_pre", "hc_post", "hc_head", "softmax_pool"),
+    "recurrent_ops": ("short_conv", "gated_delta_rule", "gated_delta_rule_chunked"),
+}
+#: Ops a model family declares itself, by implementing module.
+MODEL_OPS: dict[str, tuple[str, ...]] = {
+    "deepseek4_ops": ("fp8_kv_round", "fp4_hadamard_round"),
+    "glm5_ops": ("layer_norm", "moe_route_sigmoid"),
+    "qwen38_ops": ("rope_half", "hc_mix", "gqa_attention", "moe_route_softmax"),
+}
 #: GGML types the backend holds (integer tables included).
 QUANT_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q2_K", "IQ2_XXS", "MXFP4",
                                 "I32")
@@ -40,10 +47,10 @@ def register_backends(register: Callable[[BackendSpec], None]) -> None:
 
 @hookimpl
 def register_kernels(register: Callable[[KernelSpec], None]) -> None:
-    for op in CORE_OPS:
-        register(KernelSpec(op, "metal", f"ds4_backend_metal.ops:{op}"))
-    for op in DEEPSEEK4_OPS:
-        register(KernelSpec(op, "metal", f"ds4_backend_metal.deepseek4_ops:{op}"))
+    for table in (CORE_OPS, MODEL_OPS):
+        for module, ops in table.items():
+            for op in ops:
+                register(KernelSpec(op, "metal", f"ds4_backend_metal.{module}:{op}"))
 
 
 @click.command("metal-self-test")

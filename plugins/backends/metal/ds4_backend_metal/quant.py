@@ -137,7 +137,7 @@ def dequantize_matrix(m: QuantMatrix) -> mx.array:
 @functools.cache
 def _iq2xxs_tables() -> tuple[mx.array, mx.array]:
     """(grid ``[256, 8]``, signs ``[128, 8]``) float32 tables of IQ2_XXS, taken from ds4_core's decoder."""
-    from ds4_core.quants import _iq2xxs_tables as host_tables
+    from ds4_core.quants import iq2xxs_tables as host_tables
 
     grid, signs = host_tables()
     return mx.array(grid), mx.array(signs)

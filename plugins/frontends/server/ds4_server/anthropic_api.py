@@ -41,19 +41,22 @@ class MessagesRequest(CountRequest):
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=0, le=MAX_INT)
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    seed: int | None = Field(None, ge=-1, le=MAX_INT, description="-1 or absent: a random seed")
     stop_sequences: list[str] | None = Field(None, max_length=16)
 
 
-def _block_text(block: dict[str, Any], where: str) -> str:
-    if block.get("type") != "text" or not isinstance(block.get("text"), str):
-        raise ApiError(400, f"{where}: expected a text block, got type {block.get('type')!r}")
+def _block_text(block: Any, where: str) -> str:
+    if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+        kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+        raise ApiError(400, f"{where}: expected a text block, got {kind!r}")
     return block["text"]
 
 
 def _tool_result_text(content: Any, where: str) -> str:
     if content is None or isinstance(content, str):
         return content or ""
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where}: tool_result content must be a string or a list of text blocks")
     return "".join(_block_text(b, where) for b in content)
 
 

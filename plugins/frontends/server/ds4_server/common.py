@@ -118,7 +118,7 @@ def sampling(temperature: float | None, top_p: float | None, top_k: int | None, 
              seed: int | None) -> SamplingParams:
     """SamplingParams with ds4 defaults for the fields a request leaves out; 400 for unusable values."""
     fields = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
-              "seed": None if seed is None else seed % 2**64}
+              "seed": None if seed == -1 else seed}
     try:
         return SamplingParams(**{k: v for k, v in fields.items() if v is not None})
     except Ds4Error as exc:
@@ -198,6 +198,8 @@ def text_of(content: Any, *, what: str = "content") -> str:
         return ""
     if isinstance(content, str):
         return content
+    if not isinstance(content, list):
+        raise ApiError(400, f"{what}: content must be a string or a list of content parts")
     parts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None

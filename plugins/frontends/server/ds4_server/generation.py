@@ -167,6 +167,11 @@ class SlotPool:
             raise
         events = _events(queue, cancel, ping_s)
         await anext(events)  # arms the iterator's finally, which cancels the worker
+        # Also cancel when the request's task ends: a stream body that was never iterated (the client left
+        # between this return and the first chunk) would otherwise only be closed by the garbage collector.
+        task = asyncio.current_task()
+        if task is not None:
+            task.add_done_callback(lambda _: cancel.set())
         return events
 
     # ---- worker thread ----------------------------------------------------------------------------------------

@@ -28,11 +28,16 @@ from .errors import ApiError, error_body
 from .generation import Finished, Ping
 
 _FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "cancelled": "stop"}
+#: Integer fields are int64, as in the APIs this server mimics; larger values are a 400, not a wrap-around.
 MAX_INT = 2**63 - 1
+#: Alternatives a request may list with ``top_logprobs`` (OpenAI's own limit).
+MAX_TOP_LOGPROBS = 20
 
 
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    """Unknown fields are ignored; known ones are strict: no strings or booleans for numbers, no NaN or inf."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
 
 class SamplingFields(_Lenient):
@@ -42,7 +47,7 @@ class SamplingFields(_Lenient):
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=0, le=MAX_INT)
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    seed: int | None = Field(None, ge=-1, le=MAX_INT, description="-1 or absent: a random seed")
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     stop: str | list[str] | None = Field(None, max_length=16)
     n: int = Field(1, ge=1, le=1, description="only one choice per request is generated")
@@ -85,6 +90,8 @@ class ToolDef(_Lenient):
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
+    logprobs: bool | None = Field(None, description="accepted; log probabilities are not returned")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[ToolDef] | None = None
     tool_choice: str | dict[str, Any] | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
@@ -95,6 +102,7 @@ class ChatRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] = Field(min_length=1)
+    logprobs: int | None = Field(None, ge=0, le=5, description="accepted; log probabilities are not returned")
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -121,7 +129,12 @@ def select_tools(tools: list[dict[str, Any]] | None, choice: Any) -> list[dict[s
     if not tools or choice == "none":
         return None
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") or choice.get("name")
+        function = choice.get("function") or {}
+        name = function.get("name") if isinstance(function, dict) else None
+        name = name or choice.get("name")
+        if not isinstance(name, str):
+            raise ApiError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", '
+                                '"function": {"name": NAME}}', param="tool_choice")
         chosen = [t for t in tools if t["function"]["name"] == name]
         if not chosen:
             raise ApiError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")

@@ -15,7 +15,7 @@ from ds4_core.chat import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolC
 from .common import ServerState, arguments_text, chat_prompt, collect, gen_request, new_id, sampling, sse, text_of
 from .errors import ApiError, error_body
 from .generation import Finished, Ping
-from .openai_api import MAX_INT, _Lenient, select_tools
+from .openai_api import MAX_INT, MAX_TOP_LOGPROBS, _Lenient, select_tools
 
 
 class ResponsesRequest(_Lenient):
@@ -29,8 +29,9 @@ class ResponsesRequest(_Lenient):
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=0, le=MAX_INT)
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    seed: int | None = Field(None, ge=-1, le=MAX_INT, description="-1 or absent: a random seed")
     max_output_tokens: int | None = Field(None, ge=1, le=MAX_INT)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
@@ -55,8 +56,8 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
                 message["reasoning_content"], reasoning = reasoning, ""
             messages.append(message)
         elif kind == "reasoning":
-            parts = (item.get("content") or []) + (item.get("summary") or [])
-            reasoning += "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            parts = [p for key in ("content", "summary") if isinstance(item.get(key), list) for p in item[key]]
+            reasoning += "".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
         elif kind == "function_call":
             if not isinstance(item.get("name"), str):
                 raise ApiError(400, f"{where}: a function_call needs a string 'name'", param="input")

@@ -13,33 +13,40 @@ largest chunk, and the output is written atomically (temporary file, fsync, rena
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 import numpy as np
-from gguf import GGUFValueType, GGUFWriter
-from gguf.constants import GGMLQuantizationType
 
-from ds4_core.errors import ConversionError, ModelConfigError, TokenizerError
-from ds4_core.quants import quantize, tensor_nbytes
-from ds4_core.tokenizer import TOKEN_UNUSED, tokenizer_metadata_from_hf
+from ds4_core.conversion import (
+    SAFETENSORS_DTYPES,
+    MetadataRow,
+    PlannedTensor,
+    Progress,
+    SafetensorsSource,
+    StoredTensor,
+    TensorSource,
+    check_outtype,
+    gguf_type,
+    member_chunks,
+    metadata_row,
+    read_hf_config,
+    refuse_unknown_tensors,
+    row_chunks,
+    stacked_expert_chunks,
+    tokenizer_metadata,
+    write_gguf_atomic,
+)
+from ds4_core.conversion import config_field as _field
+from ds4_core.errors import ConversionError, ModelConfigError
 
 from .config import CSA_RATIO, DeepSeekV4Config
 
 ARCHITECTURE = "deepseek4"
-OUTTYPES = ("f32", "f16", "bf16", "q8_0")
-
-Progress = Callable[[int, int], None]
-T = GGMLQuantizationType
-
-# Elements per streamed chunk of a 2-D tensor (rows are kept in multiples of the 128-row FP8 scale block).
-_CHUNK_ELEMENTS = 1 << 22
 
 
 # ---------------------------------------------------------------- hyperparameters (config.json -> §12.2 keys)
@@ -47,13 +54,6 @@ _CHUNK_ELEMENTS = 1 << 22
 _LAYER_KINDS = {"sliding_attention": "sliding", "compressed_sparse_attention": "csa",
                 "heavily_compressed_attention": "hca"}
 _LEGACY_RATIO_KINDS = {0: "sliding", 4: "csa", 128: "hca"}
-
-
-def _field(config: Mapping[str, Any], key: str) -> Any:
-    if config.get(key) is None:
-        raise ConversionError(f"config.json has no {key!r}; it is required to convert a DeepSeek V4 checkpoint "
-                              "(add it from the model card or the original config.json)")
-    return config[key]
 
 
 def _layer_schedule(config: Mapping[str, Any], n_layers: int) -> tuple[list[str], list[int]]:
@@ -160,17 +160,15 @@ def hparams_from_config(config: Mapping[str, Any]) -> DeepSeekV4Config:
     return hp
 
 
-def gguf_metadata(hp: DeepSeekV4Config) -> list[tuple[str, Any, GGUFValueType, GGUFValueType | None]]:
+def gguf_metadata(hp: DeepSeekV4Config) -> list[MetadataRow]:
     """The ``deepseek4.*`` metadata of spec §12.2 as (key, value, value type, array element type) rows."""
     return [(key, value, vtype, sub_type) for key, (value, vtype, sub_type) in hp.to_gguf_metadata().items()]
 
 
 # ---------------------------------------------------------------- tensor names and types (§11, §12.3)
 
-# Type classes: "matrix" -> Q8_0 under q8_0 (F16 when the row length is not a multiple of 32), "half" -> F16 under
-# q8_0, both -> the outtype otherwise; "f32" always F32; "i32" always I32.
 # (GGUF name, canonical name = the transformers module name without "model.", type class); layer tables hold
-# the names inside "blk.N." / "layers.N.".
+# the names inside "blk.N." / "layers.N.". Type classes as in ds4_core.conversion.gguf_type.
 _GLOBAL_TENSORS = (
     ("token_embd.weight", "embed_tokens.weight", "half"),
     ("output.weight", "lm_head.weight", "matrix"),
@@ -248,32 +246,7 @@ def canonical_name(name: str) -> str:
     return name
 
 
-def _tensor_type(type_class: str, outtype: str, row_length: int) -> GGMLQuantizationType:
-    if type_class == "i32":
-        return T.I32
-    if type_class == "f32":
-        return T.F32
-    if outtype != "q8_0":
-        return T[outtype.upper()]
-    if type_class == "matrix" and row_length % 32 == 0:
-        return T.Q8_0
-    return T.F16
-
-
 # ---------------------------------------------------------------- sources
-
-
-class TensorSource(Protocol):
-    """Named float tensors in transformers or official naming, read as leading-axis slices."""
-
-    def names(self) -> set[str]:
-        """Every tensor name the source holds (quantization companions such as ``.scale`` excluded)."""
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        """Logical (dequantized) shape of ``name``."""
-
-    def rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        """``name[start:stop]`` dequantized: float32, or int64 for integer tensors."""
 
 
 @attrs.frozen
@@ -305,99 +278,48 @@ _E4M3 = _e4m3_table()
 # E8M0 byte e -> 2**(e - 127); 255 is NaN.
 _E8M0 = np.append(np.exp2(np.arange(255) - 127.0), np.nan).astype(np.float32)
 _FP4 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
-_PLAIN_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2",
-                 "I8": "i1", "U8": "u1", "BOOL": "u1", "BF16": "<u2", "F8_E4M3": "u1", "F8_E8M0": "u1"}
 _FP8_BLOCK = 128
 _FP4_BLOCK = 32
 
 
-@attrs.frozen
-class _Stored:
-    path: Path
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-
-
-def _read_safetensors_header(path: Path) -> dict[str, _Stored]:
-    """Tensor directory of one safetensors file (parsed here: safetensors' numpy API cannot decode BF16/FP8)."""
-    try:
-        with path.open("rb") as f:
-            length = int.from_bytes(f.read(8), "little")
-            if not 2 <= length <= 100 << 20:
-                raise ValueError(f"header length {length}")
-            header = json.loads(f.read(length))
-    except (OSError, ValueError) as exc:
-        raise ConversionError(f"{path} is not a readable safetensors file ({exc}); re-download it") from None
-    base = 8 + length
-    stored = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        if entry["dtype"] not in _PLAIN_DTYPES:
-            raise ConversionError(f"{path}: tensor {name!r} has dtype {entry['dtype']}, which this converter cannot "
-                                  f"read; supported: {', '.join(_PLAIN_DTYPES)}")
-        begin, end = entry["data_offsets"]
-        stored[name] = _Stored(path, entry["dtype"], tuple(entry["shape"]), base + begin, base + end)
-    return stored
-
-
-def _decode(raw: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "BF16":
-        return (raw.astype(np.uint32) << 16).view(np.float32)
-    if dtype == "F8_E4M3":
-        return _E4M3[raw]
-    if dtype == "F8_E8M0":
-        return _E8M0[raw]
-    if dtype.startswith("I"):
-        return raw.astype(np.int64)
-    return raw.astype(np.float32)
-
-
-class SafetensorsSource:
-    """Every ``*.safetensors`` file of a directory, memory-mapped; FP8 and packed FP4 weights are dequantized.
+class BlockScaledSafetensorsSource(SafetensorsSource):
+    """A :class:`SafetensorsSource` that also reads the official layout's FP8 and packed FP4 weights, dequantized.
 
     A weight ``X.weight`` with a companion ``X.scale`` is block-quantized: FP8 E4M3 with 128x128 scale blocks, or
     (dtype I8/U8) two FP4 E2M1 codes per byte, element 2j in the low nibble, with 1x32 scale blocks.
     """
 
     def __init__(self, directory: Path):
-        files = sorted(directory.glob("*.safetensors"))
-        if not files:
-            raise ConversionError(f"{directory} holds no *.safetensors files; point the converter at the model "
-                                  "directory downloaded from Hugging Face")
-        self._stored: dict[str, _Stored] = {}
-        for path in files:
-            for name, entry in _read_safetensors_header(path).items():
-                if name in self._stored:
-                    raise ConversionError(f"tensor {name!r} appears in both {self._stored[name].path.name} and "
-                                          f"{path.name}; remove the stray shard")
-                self._stored[name] = entry
-        self._maps: dict[Path, np.memmap] = {}
+        super().__init__(directory, dtypes=tuple(SAFETENSORS_DTYPES))
 
     def names(self) -> set[str]:
-        return {n for n in self._stored if not (n.endswith(".scale") and n[:-6] + ".weight" in self._stored)}
+        """Every tensor name, the ``.scale`` companions excluded."""
+        stored = super().names()
+        return {n for n in stored if not (n.endswith(".scale") and n[:-6] + ".weight" in stored)}
 
-    def _scale_of(self, name: str) -> _Stored | None:
-        return self._stored.get(name[: -len(".weight")] + ".scale") if name.endswith(".weight") else None
+    def _scale_of(self, name: str) -> StoredTensor | None:
+        scale = name[: -len(".weight")] + ".scale"
+        return self.entry(scale) if name.endswith(".weight") and self.has(scale) else None
 
     def _is_fp4(self, name: str) -> bool:
-        return self._stored[name].dtype in ("I8", "U8") and self._scale_of(name) is not None
+        return self.entry(name).dtype in ("I8", "U8") and self._scale_of(name) is not None
 
     def shape(self, name: str) -> tuple[int, ...]:
-        shape = self._stored[name].shape
+        """Logical (dequantized) shape of ``name``: packed FP4 rows hold two elements per byte."""
+        shape = self.entry(name).shape
         return (*shape[:-1], shape[-1] * 2) if self._is_fp4(name) else shape
 
-    def _raw(self, entry: _Stored, start: int, stop: int) -> np.ndarray:
-        if entry.path not in self._maps:
-            self._maps[entry.path] = np.memmap(entry.path, dtype=np.uint8, mode="r")
-        data = self._maps[entry.path][entry.begin:entry.end].view(_PLAIN_DTYPES[entry.dtype])
-        return data.reshape(entry.shape or (1,))[start:stop]
+    def decode(self, raw: np.ndarray, dtype: str) -> np.ndarray:
+        if dtype == "F8_E4M3":
+            return _E4M3[raw]
+        if dtype == "F8_E8M0":
+            return _E8M0[raw]
+        return super().decode(raw, dtype)
 
     def rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        entry = self._stored[name]
-        values = _decode(self._raw(entry, start, stop), entry.dtype)
+        """``name[start:stop]`` dequantized; FP8 weights are read in whole 128-row blocks."""
+        entry = self.entry(name)
+        values = self.decode(self.raw(entry, start, stop), entry.dtype)
         scale = self._scale_of(name)
         if scale is None:
             return values
@@ -413,48 +335,23 @@ class SafetensorsSource:
                                   f"need {expected}")
         if start % _FP8_BLOCK:
             raise ValueError("FP8 weights are read in whole 128-row blocks")
-        blocks = _decode(self._raw(scale, start // _FP8_BLOCK, -(-stop // _FP8_BLOCK)), scale.dtype)
+        blocks = self.decode(self.raw(scale, start // _FP8_BLOCK, -(-stop // _FP8_BLOCK)), scale.dtype)
         expanded = np.repeat(np.repeat(blocks, _FP8_BLOCK, axis=0), _FP8_BLOCK, axis=1)
         return values * expanded[: values.shape[0], :cols]
 
-    def _dequantize_fp4(self, name: str, entry: _Stored, scale: _Stored, start: int, stop: int) -> np.ndarray:
-        packed = self._raw(entry, start, stop).view(np.uint8)
+    def _dequantize_fp4(self, name: str, entry: StoredTensor, scale: StoredTensor, start: int,
+                        stop: int) -> np.ndarray:
+        packed = self.raw(entry, start, stop).view(np.uint8)
         codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
         expected = (*entry.shape[:-1], entry.shape[-1] * 2 // _FP4_BLOCK)
         if scale.shape != expected:
             raise ConversionError(f"scale of packed FP4 {name!r} has shape {scale.shape}; 32-element blocks of "
                                   f"{self.shape(name)} need {expected}")
-        scales = _decode(self._raw(scale, start, stop), scale.dtype)
+        scales = self.decode(self.raw(scale, start, stop), scale.dtype)
         return _FP4[codes] * np.repeat(scales, _FP4_BLOCK, axis=-1)
 
 
 # ---------------------------------------------------------------- the plan: one entry per GGUF tensor
-
-
-@attrs.frozen
-class PlannedTensor:
-    """One GGUF tensor: name, numpy-order shape (GGUF dims reversed), type, and its row chunks in order."""
-
-    name: str
-    shape: tuple[int, ...]
-    qtype: GGMLQuantizationType
-    chunks: Callable[[], Iterator[np.ndarray]]
-
-    @property
-    def nbytes(self) -> int:
-        return tensor_nbytes(self.qtype, self.shape)
-
-
-def _row_chunks(source: TensorSource, name: str) -> Callable[[], Iterator[np.ndarray]]:
-    def chunks() -> Iterator[np.ndarray]:
-        shape = source.shape(name)
-        if len(shape) < 2:
-            yield source.rows(name, 0, shape[0] if shape else 1).reshape(shape or (1,))
-            return
-        step = max(_FP8_BLOCK, _CHUNK_ELEMENTS // max(1, int(np.prod(shape[1:]))) // _FP8_BLOCK * _FP8_BLOCK)
-        for start in range(0, shape[0], step):
-            yield source.rows(name, start, min(start + step, shape[0]))
-    return chunks
 
 
 def _expected_shape(hp: DeepSeekV4Config, canonical: str, kind: str) -> tuple[int, ...] | None:
@@ -503,8 +400,8 @@ def plan_tensors(hp: DeepSeekV4Config, source: TensorSource, outtype: str) -> li
                 raise ConversionError(f"tensor {name!r} has shape {shape}, but config.json implies {expected}")
             used.add(canonical)
             full_name = f"blk.{layer}.{gguf_name}" if layer is not None else gguf_name
-            qtype = _tensor_type(type_class, outtype, shape[-1] if shape else 1)
-            plan.append(PlannedTensor(full_name, shape or (1,), qtype, _row_chunks(source, name)))
+            qtype = gguf_type(type_class, outtype, shape[-1] if shape else 1)
+            plan.append(PlannedTensor(full_name, shape or (1,), qtype, row_chunks(source, name, _FP8_BLOCK)))
 
     add(_GLOBAL_TENSORS[:1])
     for layer in range(hp.num_layers):
@@ -521,11 +418,8 @@ def plan_tensors(hp: DeepSeekV4Config, source: TensorSource, outtype: str) -> li
         plan.extend(_plan_experts(hp, source, by_canonical, layer, used, outtype))
     add(_GLOBAL_TENSORS[1:])
 
-    unknown = sorted(by_canonical[c] for c in set(by_canonical) - used)
-    if unknown:
-        shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
-        raise ConversionError(f"the checkpoint holds tensors this converter does not know: {shown}; it may be a "
-                              "different model, a newer DeepSeek V4 variant, or config.json may not match it")
+    refuse_unknown_tensors([by_canonical[c] for c in set(by_canonical) - used], "it may be a different model, a "
+                           "newer DeepSeek V4 variant, or config.json may not match it")
     return plan
 
 
@@ -546,7 +440,7 @@ def _plan_experts(hp: DeepSeekV4Config, source: TensorSource, by_canonical: dict
                 raise ConversionError(f"tensor {name!r} has shape {source.shape(name)}, expected "
                                       f"{stacked[stacked_name.rsplit('.', 1)[1]]}")
             used.add(stacked_name)
-            chunks = _stacked_expert_chunks(source, name, e, part, i)
+            chunks = stacked_expert_chunks(source, name, e, part, i)
         else:
             members = [f"{prefix}{x}.{w}.weight" for x in range(e)]
             missing = [m for m in members if m not in by_canonical]
@@ -558,131 +452,22 @@ def _plan_experts(hp: DeepSeekV4Config, source: TensorSource, by_canonical: dict
                     raise ConversionError(f"tensor {by_canonical[member]!r} has shape "
                                           f"{source.shape(by_canonical[member])}, expected {shapes[part]}")
             used.update(members)
-            chunks = _expert_chunks(source, [by_canonical[m] for m in members])
+            chunks = member_chunks(source, [by_canonical[m] for m in members])
         shape = (e, *shapes[part])
-        planned.append(PlannedTensor(f"blk.{layer}.{gguf_name}", shape, _tensor_type("matrix", outtype, shape[-1]),
+        planned.append(PlannedTensor(f"blk.{layer}.{gguf_name}", shape, gguf_type("matrix", outtype, shape[-1]),
                                      chunks))
     return planned
-
-
-def _expert_chunks(source: TensorSource, members: list[str]) -> Callable[[], Iterator[np.ndarray]]:
-    def chunks() -> Iterator[np.ndarray]:
-        for member in members:
-            yield source.rows(member, 0, source.shape(member)[0])
-    return chunks
-
-
-def _stacked_expert_chunks(source: TensorSource, name: str, experts: int, part: str,
-                           i: int) -> Callable[[], Iterator[np.ndarray]]:
-    def chunks() -> Iterator[np.ndarray]:
-        for x in range(experts):
-            block = source.rows(name, x, x + 1)[0]
-            yield block if part == "down" else block[:i] if part == "gate" else block[i:]
-    return chunks
-
-
-# ---------------------------------------------------------------- writing
-
-
-def _encode(chunk: np.ndarray, qtype: GGMLQuantizationType) -> bytes:
-    if qtype == T.I32:
-        return np.ascontiguousarray(chunk, dtype="<i4").tobytes()
-    return quantize(chunk.astype(np.float32, copy=False), qtype).tobytes()
-
-
-def write_gguf(out_path: str | os.PathLike[str], metadata: list[tuple[str, Any, GGUFValueType,
-               GGUFValueType | None]], plan: list[PlannedTensor], progress: Progress | None = None) -> None:
-    """Write a GGUF atomically: a temporary file beside ``out_path``, fsync, then rename over it."""
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    writer = GGUFWriter(None, ARCHITECTURE)
-    try:
-        for key, value, vtype, sub_type in metadata:
-            writer.add_key_value(key, value, vtype, sub_type)
-        for tensor in plan:
-            writer.add_tensor_info(tensor.name, tensor.shape, np.dtype(np.float32), tensor.nbytes,
-                                   raw_dtype=tensor.qtype)
-        writer.write_header_to_file(tmp)
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        _write_tensor_data(writer, plan, progress)
-        writer.flush()
-        os.fsync(writer.fout[0].fileno())
-        writer.close()
-        os.replace(tmp, out_path)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _write_tensor_data(writer: GGUFWriter, plan: list[PlannedTensor], progress: Progress | None) -> None:
-    fout = writer.fout[0]
-    alignment = writer.data_alignment
-    total = sum(t.nbytes for t in plan)
-    done = 0
-    for tensor in plan:
-        fout.write(b"\0" * (-fout.tell() % alignment))
-        written = 0
-        for chunk in tensor.chunks():
-            data = _encode(chunk, tensor.qtype)
-            fout.write(data)
-            written += len(data)
-        if written != tensor.nbytes:
-            raise ConversionError(f"tensor {tensor.name} produced {written} bytes instead of {tensor.nbytes}; the "
-                                  "source tensor does not match its declared shape")
-        done += written
-        if progress is not None:
-            progress(done, total)
-    fout.write(b"\0" * (-fout.tell() % alignment))
-
-
-def tokenizer_metadata(src_dir: Path, vocab: int) -> list[tuple[str, Any, GGUFValueType, GGUFValueType | None]]:
-    """``tokenizer.*`` metadata from ``src_dir``'s tokenizer.json (special ids and chat template from
-    tokenizer_config.json when present), with the DeepSeek V4 pre-tokenizer ``joyai-llm``; the token list is
-    padded with unused ``[PAD<id>]`` entries up to the model's ``vocab`` rows."""
-
-    if not (src_dir / "tokenizer.json").is_file():
-        raise ConversionError(f"{src_dir} has no tokenizer.json; copy it from the model's Hugging Face repository")
-    try:
-        metadata = tokenizer_metadata_from_hf(src_dir, pre="joyai-llm")
-    except TokenizerError as exc:
-        raise ConversionError(f"cannot convert the tokenizer of {src_dir}: {exc}") from None
-    tokens, types = metadata["tokenizer.ggml.tokens"], metadata["tokenizer.ggml.token_type"]
-    if len(tokens) > vocab:
-        raise ConversionError(f"tokenizer.json has {len(tokens)} tokens but the model only {vocab} embedding rows; "
-                              "the tokenizer belongs to another model")
-    metadata["tokenizer.ggml.tokens"] = [*tokens, *(f"[PAD{i}]" for i in range(len(tokens), vocab))]
-    metadata["tokenizer.ggml.token_type"] = [*types, *[TOKEN_UNUSED] * (vocab - len(types))]
-    return [_metadata_row(key, value) for key, value in metadata.items()]
-
-
-def _metadata_row(key: str, value: Any) -> tuple[str, Any, GGUFValueType, GGUFValueType | None]:
-    """A metadata row for a plain Python value (lists become arrays typed by their first element)."""
-    if isinstance(value, (list, tuple, np.ndarray)):
-        items = list(value)
-        return (key, items, GGUFValueType.ARRAY, GGUFValueType.get_type(items[0]) if items else GGUFValueType.INT32)
-    return (key, value, GGUFValueType.get_type(value), None)
 
 
 def build_gguf(source: TensorSource, config: Mapping[str, Any], tokenizer_dir: Path, out_path: str | os.PathLike[str],
                outtype: str, name: str, progress: Progress | None = None) -> None:
     """Write the ds4 GGUF of ``source`` (transformers or official names) under ``config`` (a config.json dict)."""
-    outtype = _check_outtype(outtype)
+    outtype = check_outtype(outtype)
     hp = hparams_from_config(config)
     plan = plan_tensors(hp, source, outtype)
-    metadata = [("general.name", name, GGUFValueType.STRING, None), *gguf_metadata(hp),
-                *tokenizer_metadata(tokenizer_dir, hp.vocab_size)]
-    write_gguf(out_path, metadata, plan, progress)
-
-
-def _check_outtype(outtype: str) -> str:
-    if not isinstance(outtype, str) or outtype.lower() not in OUTTYPES:
-        raise ConversionError(f"unsupported output type {outtype!r}; choose one of {', '.join(OUTTYPES)}")
-    return outtype.lower()
+    metadata = [metadata_row("general.name", name), *gguf_metadata(hp),
+                *tokenizer_metadata(tokenizer_dir, hp.vocab_size, "joyai-llm")]
+    write_gguf_atomic(out_path, ARCHITECTURE, metadata, plan, progress)
 
 
 def convert(src_dir: str | os.PathLike[str], out_path: str | os.PathLike[str], outtype: str,
@@ -694,14 +479,8 @@ def convert(src_dir: str | os.PathLike[str], out_path: str | os.PathLike[str], o
     embedding, F32 norms/biases/sinks). ``progress(done_bytes, total_bytes)`` is called after each tensor.
     Raises :class:`ConversionError` on anything it cannot convert; ``out_path`` is then left untouched.
     """
-    outtype = _check_outtype(outtype)
+    outtype = check_outtype(outtype)
     src = Path(src_dir)
-    config_path = src / "config.json"
-    if not config_path.is_file():
-        raise ConversionError(f"{src} has no config.json; point the converter at a Hugging Face model directory")
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConversionError(f"{config_path} is not valid JSON ({exc}); re-download it") from None
+    config = read_hf_config(src)
     name = src.resolve().name or "DeepSeek-V4"
-    build_gguf(SafetensorsSource(src), config, src, out_path, outtype, name, progress)
+    build_gguf(BlockScaledSafetensorsSource(src), config, src, out_path, outtype, name, progress)

@@ -10,39 +10,35 @@ output is written atomically.
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import attrs
 import numpy as np
-from gguf import GGUFValueType, GGUFWriter
-from gguf.constants import GGMLQuantizationType
 
-from ds4_core.errors import ConversionError, ModelConfigError, TokenizerError
-from ds4_core.quants import quantize, tensor_nbytes
-from ds4_core.tokenizer import TOKEN_UNUSED, tokenizer_metadata_from_hf
+from ds4_core.conversion import (
+    Chunks,
+    PlannedTensor,
+    Progress,
+    SafetensorsSource,
+    check_outtype,
+    gguf_type,
+    member_chunks,
+    metadata_row,
+    read_hf_config,
+    refuse_unknown_tensors,
+    row_chunks,
+    stacked_expert_chunks,
+    tokenizer_metadata,
+    write_gguf_atomic,
+)
+from ds4_core.conversion import config_field as _field
+from ds4_core.errors import ConversionError, ModelConfigError
 
 from .config import ARCH, GATING_SIGMOID, GlmDsaConfig
 
-OUTTYPES = ("f32", "f16", "bf16", "q8_0")
-Progress = Callable[[int, int], None]
-MetadataRow = tuple[str, Any, GGUFValueType, GGUFValueType | None]
-T = GGMLQuantizationType
-_CHUNK_ELEMENTS = 1 << 22
-
-
 # ---------------------------------------------------------------- hyperparameters
-
-def _field(config: Mapping[str, Any], key: str) -> Any:
-    if config.get(key) is None:
-        raise ConversionError(f"config.json has no {key!r}; it is required to convert a GLM 5.2 checkpoint "
-                              "(copy it from the model's original config.json)")
-    return config[key]
-
 
 def indexer_types(config: Mapping[str, Any], n_layers: int) -> list[str]:
     """``"full"``/``"shared"`` per trunk layer, as transformers derives it (spec §2.3)."""
@@ -106,83 +102,9 @@ def hparams_from_config(config: Mapping[str, Any], nextn_layers: int) -> GlmDsaC
         raise ConversionError(f"config.json cannot be represented in a glm-dsa GGUF: {exc}") from None
 
 
-# ---------------------------------------------------------------- safetensors
-
-_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}
-
-
-@attrs.frozen
-class _Stored:
-    path: Path
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-
-
-class SafetensorsSource:
-    """Every ``*.safetensors`` file of a directory, memory-mapped; F32, F16 and BF16 tensors read as float32."""
-
-    def __init__(self, directory: Path):
-        files = sorted(directory.glob("*.safetensors"))
-        if not files:
-            raise ConversionError(f"{directory} holds no *.safetensors files; point the converter at the model "
-                                  "directory downloaded from Hugging Face or written by save_pretrained")
-        self._stored: dict[str, _Stored] = {}
-        self._maps: dict[Path, np.memmap] = {}
-        for path in files:
-            try:
-                with path.open("rb") as f:
-                    length = int.from_bytes(f.read(8), "little")
-                    header = json.loads(f.read(length))
-            except (OSError, ValueError) as exc:
-                raise ConversionError(f"{path} is not a readable safetensors file ({exc}); re-download it") from None
-            for name, entry in header.items():
-                if name == "__metadata__":
-                    continue
-                if entry["dtype"] not in _DTYPES:
-                    raise ConversionError(f"{path.name}: tensor {name!r} has dtype {entry['dtype']}; this converter "
-                                          f"reads {', '.join(_DTYPES)} (dequantize FP8 checkpoints first)")
-                if name in self._stored:
-                    raise ConversionError(f"tensor {name!r} appears in two shards; remove the stray shard")
-                begin, end = entry["data_offsets"]
-                self._stored[name] = _Stored(path, entry["dtype"], tuple(entry["shape"]), 8 + length + begin,
-                                             8 + length + end)
-
-    def names(self) -> set[str]:
-        return set(self._stored)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._stored[name].shape
-
-    def rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        """``name[start:stop]`` as float32."""
-        entry = self._stored[name]
-        if entry.path not in self._maps:
-            self._maps[entry.path] = np.memmap(entry.path, dtype=np.uint8, mode="r")
-        raw = self._maps[entry.path][entry.begin:entry.end].view(_DTYPES[entry.dtype]).reshape(entry.shape or (1,))
-        raw = raw[start:stop]
-        return (raw.astype(np.uint32) << 16).view(np.float32) if entry.dtype == "BF16" else raw.astype(np.float32)
-
-
 # ---------------------------------------------------------------- the plan
 
-@attrs.frozen
-class PlannedTensor:
-    """One GGUF tensor: name, numpy-order shape (GGUF dims reversed), type, and its chunks in row order."""
-
-    name: str
-    shape: tuple[int, ...]
-    qtype: GGMLQuantizationType
-    chunks: Callable[[], Iterator[np.ndarray]]
-
-    @property
-    def nbytes(self) -> int:
-        return tensor_nbytes(self.qtype, self.shape)
-
-
-# GGUF name inside blk.N. -> (HF name inside model.layers.N., type class). "matrix": Q8_0 under q8_0 (F16 when rows
-# do not fill Q8_0 blocks), "half": F16 under q8_0, "f32": always F32; otherwise the outtype.
+# (GGUF name inside blk.N., HF name inside model.layers.N., type class of ds4_core.conversion.gguf_type).
 _ATTN = (
     ("attn_norm.weight", "input_layernorm.weight", "f32"),
     ("ffn_norm.weight", "post_attention_layernorm.weight", "f32"),
@@ -222,26 +144,6 @@ _NEXTN = (
 _NEXTN_DUPLICATES = ("embed_tokens.weight", "shared_head.head.weight")
 
 
-def _qtype(type_class: str, outtype: str, row_length: int) -> GGMLQuantizationType:
-    if type_class == "f32":
-        return T.F32
-    if outtype != "q8_0":
-        return T[outtype.upper()]
-    return T.Q8_0 if type_class == "matrix" and row_length % 32 == 0 else T.F16
-
-
-def _row_chunks(source: SafetensorsSource, name: str) -> Callable[[], Iterator[np.ndarray]]:
-    def chunks() -> Iterator[np.ndarray]:
-        shape = source.shape(name)
-        if len(shape) < 2:
-            yield source.rows(name, 0, shape[0] if shape else 1).reshape(shape or (1,))
-            return
-        step = max(1, _CHUNK_ELEMENTS // max(1, int(np.prod(shape[1:]))))
-        for start in range(0, shape[0], step):
-            yield source.rows(name, start, min(start + step, shape[0]))
-    return chunks
-
-
 class _Planner:
     """Maps source tensors to GGUF tensors, checking shapes and that every source tensor is used exactly once."""
 
@@ -251,24 +153,20 @@ class _Planner:
         self.plan: list[PlannedTensor] = []
 
     def need(self, name: str, shape: tuple[int, ...] | None = None) -> str:
-        if name not in self.source.names():
-            raise ConversionError(f"the checkpoint has no tensor {name!r}; the download is incomplete or config.json "
-                                  "does not match the weights")
-        if shape is not None and self.source.shape(name) != shape:
-            raise ConversionError(f"tensor {name!r} has shape {self.source.shape(name)}, but config.json implies "
-                                  f"{shape}")
+        found = self.source.shape(name)  # refuses a tensor the checkpoint lacks
+        if shape is not None and found != shape:
+            raise ConversionError(f"tensor {name!r} has shape {found}, but config.json implies {shape}")
         self.used.add(name)
         return name
 
-    def add(self, gguf_name: str, shape: tuple[int, ...], type_class: str,
-            chunks: Callable[[], Iterator[np.ndarray]]) -> None:
-        self.plan.append(PlannedTensor(gguf_name, shape, _qtype(type_class, self.outtype, shape[-1]), chunks))
+    def add(self, gguf_name: str, shape: tuple[int, ...], type_class: str, chunks: Chunks) -> None:
+        self.plan.append(PlannedTensor(gguf_name, shape, gguf_type(type_class, self.outtype, shape[-1]), chunks))
 
     def copy(self, table: tuple, layer: int) -> None:
         for gguf_name, local, type_class in table:
             name = self.need(f"model.layers.{layer}.{local}")
             self.add(f"blk.{layer}.{gguf_name}", self.source.shape(name) or (1,), type_class,
-                     _row_chunks(self.source, name))
+                     row_chunks(self.source, name))
 
     def kv_b(self, layer: int) -> None:
         """``kv_b_proj [H·(dn+dv), R]`` -> ``attn_k_b [H, R, dn]`` (transposed K rows) and ``attn_v_b [H, dv, R]``."""
@@ -276,7 +174,7 @@ class _Planner:
         H, R, dn, dv = hp.num_heads, hp.kv_lora_rank, hp.nope_dim, hp.v_head_dim
         name = self.need(f"model.layers.{layer}.self_attn.kv_b_proj.weight", (H * (dn + dv), R))
 
-        def heads(part: str) -> Callable[[], Iterator[np.ndarray]]:
+        def heads(part: str) -> Chunks:
             def chunks() -> Iterator[np.ndarray]:
                 for h in range(H):
                     rows = src.rows(name, h * (dn + dv), (h + 1) * (dn + dv))
@@ -291,23 +189,14 @@ class _Planner:
         hp, src = self.hp, self.source
         E, F, D = hp.n_experts, hp.expert_ffn, hp.hidden_size
         prefix = f"model.layers.{layer}.mlp.experts."
-        stacked = prefix + "gate_up_proj" in src.names()
+        stacked = src.has(prefix + "gate_up_proj")
         for part, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
             if stacked:
                 name = self.need(prefix + ("down_proj" if part == "down" else "gate_up_proj"),
                                  (E, D, F) if part == "down" else (E, 2 * F, D))
-                members = [name] * E
+                chunks = stacked_expert_chunks(src, name, E, part, F)
             else:
-                members = [self.need(f"{prefix}{e}.{part}_proj.weight", shape) for e in range(E)]
-
-            def chunks(members: list[str] = members, part: str = part, rows: int = shape[0]) -> Iterator[np.ndarray]:
-                for e, member in enumerate(members):
-                    if not stacked:
-                        yield src.rows(member, 0, rows)
-                        continue
-                    block = src.rows(member, e, e + 1)[0]
-                    yield block if part == "down" else block[:F] if part == "gate" else block[F:]
-
+                chunks = member_chunks(src, [self.need(f"{prefix}{e}.{part}_proj.weight", shape) for e in range(E)])
             self.add(f"blk.{layer}.ffn_{part}_exps.weight", (E, *shape), "matrix", chunks)
 
     def block(self, layer: int, full_indexer: bool) -> None:
@@ -337,95 +226,19 @@ def plan_tensors(config: Mapping[str, Any], source: SafetensorsSource, outtype: 
     types = indexer_types(config, hp.num_layers)
     p = _Planner(hp, source, outtype)
     p.add("token_embd.weight", (hp.vocab_size, hp.hidden_size), "half",
-          _row_chunks(source, p.need("model.embed_tokens.weight", (hp.vocab_size, hp.hidden_size))))
+          row_chunks(source, p.need("model.embed_tokens.weight", (hp.vocab_size, hp.hidden_size))))
     for layer in range(hp.num_layers):
         p.block(layer, types[layer] == "full")
     for layer in range(hp.num_layers, hp.block_count):
         p.copy(_NEXTN, layer)
-        p.block(layer, f"model.layers.{layer}.self_attn.indexer.wk.weight" in source.names())
-        p.used.update(n for n in (f"model.layers.{layer}.{d}" for d in _NEXTN_DUPLICATES) if n in source.names())
-    p.add("output_norm.weight", (hp.hidden_size,), "f32", _row_chunks(source, p.need("model.norm.weight")))
+        p.block(layer, source.has(f"model.layers.{layer}.self_attn.indexer.wk.weight"))
+        p.used.update(n for n in (f"model.layers.{layer}.{d}" for d in _NEXTN_DUPLICATES) if source.has(n))
+    p.add("output_norm.weight", (hp.hidden_size,), "f32", row_chunks(source, p.need("model.norm.weight")))
     p.add("output.weight", (hp.vocab_size, hp.hidden_size), "matrix",
-          _row_chunks(source, p.need("lm_head.weight", (hp.vocab_size, hp.hidden_size))))
-    unknown = sorted(source.names() - p.used)
-    if unknown:
-        shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
-        raise ConversionError(f"the checkpoint holds tensors this converter does not know: {shown}; it may be another "
-                              "model, or config.json (indexer_types, first_k_dense_replace) may not match it")
+          row_chunks(source, p.need("lm_head.weight", (hp.vocab_size, hp.hidden_size))))
+    refuse_unknown_tensors(source.names() - p.used, "it may be another model, or config.json (indexer_types, "
+                           "first_k_dense_replace) may not match it")
     return hp, p.plan
-
-
-# ---------------------------------------------------------------- writing
-
-def _encode(chunk: np.ndarray, qtype: GGMLQuantizationType) -> bytes:
-    return quantize(np.ascontiguousarray(chunk, dtype=np.float32), qtype).tobytes()
-
-
-def write_gguf(out_path: str | os.PathLike[str], metadata: list[MetadataRow], plan: list[PlannedTensor],
-               progress: Progress | None = None) -> None:
-    """Write a ``glm-dsa`` GGUF atomically: a temporary file beside ``out_path``, fsync, then rename over it."""
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    writer = GGUFWriter(None, ARCH)
-    try:
-        for key, value, vtype, sub_type in metadata:
-            writer.add_key_value(key, value, vtype, sub_type)
-        for tensor in plan:
-            writer.add_tensor_info(tensor.name, tensor.shape, np.dtype(np.float32), tensor.nbytes,
-                                   raw_dtype=tensor.qtype)
-        writer.write_header_to_file(tmp)
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        fout, total, done = writer.fout[0], sum(t.nbytes for t in plan), 0
-        for tensor in plan:
-            fout.write(b"\0" * (-fout.tell() % writer.data_alignment))
-            written = 0
-            for chunk in tensor.chunks():
-                data = _encode(chunk, tensor.qtype)
-                fout.write(data)
-                written += len(data)
-            if written != tensor.nbytes:
-                raise ConversionError(f"tensor {tensor.name} produced {written} bytes instead of {tensor.nbytes}; the "
-                                      "source tensor does not match its declared shape")
-            done += written
-            if progress is not None:
-                progress(done, total)
-        fout.write(b"\0" * (-fout.tell() % writer.data_alignment))
-        writer.flush()
-        os.fsync(fout.fileno())
-        writer.close()
-        os.replace(tmp, out_path)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _metadata_row(key: str, value: Any) -> MetadataRow:
-    if isinstance(value, (list, tuple)):
-        items = list(value)
-        return (key, items, GGUFValueType.ARRAY, GGUFValueType.get_type(items[0]) if items else GGUFValueType.INT32)
-    return (key, value, GGUFValueType.get_type(value), None)
-
-
-def tokenizer_metadata(src_dir: Path, vocab: int) -> list[MetadataRow]:
-    """``tokenizer.*`` rows from ``src_dir``'s tokenizer.json (pre-tokenizer ``glm4``), padded to ``vocab`` tokens."""
-    if not (src_dir / "tokenizer.json").is_file():
-        raise ConversionError(f"{src_dir} has no tokenizer.json; copy it from the model's Hugging Face repository")
-    try:
-        metadata = tokenizer_metadata_from_hf(src_dir, pre="glm4")
-    except TokenizerError as exc:
-        raise ConversionError(f"cannot convert the tokenizer of {src_dir}: {exc}") from None
-    tokens, types = metadata["tokenizer.ggml.tokens"], metadata["tokenizer.ggml.token_type"]
-    if len(tokens) > vocab:
-        raise ConversionError(f"tokenizer.json has {len(tokens)} tokens but the model only {vocab} embedding rows; "
-                              "the tokenizer belongs to another model")
-    metadata["tokenizer.ggml.tokens"] = [*tokens, *(f"[PAD{i}]" for i in range(len(tokens), vocab))]
-    metadata["tokenizer.ggml.token_type"] = [*types, *[TOKEN_UNUSED] * (vocab - len(types))]
-    return [_metadata_row(key, value) for key, value in metadata.items()]
 
 
 def convert(src_dir: str | os.PathLike[str], out_path: str | os.PathLike[str], outtype: str,
@@ -436,15 +249,10 @@ def convert(src_dir: str | os.PathLike[str], out_path: str | os.PathLike[str], o
     or ``q8_0`` (Q8_0 matrices, F16 embedding). ``progress(done_bytes, total_bytes)`` is called after each tensor.
     Raises :class:`ConversionError` on anything it cannot convert; ``out_path`` is then left untouched.
     """
-    if not isinstance(outtype, str) or outtype.lower() not in OUTTYPES:
-        raise ConversionError(f"unsupported output type {outtype!r}; choose one of {', '.join(OUTTYPES)}")
+    outtype = check_outtype(outtype)
     src = Path(src_dir)
-    try:
-        config = json.loads((src / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConversionError(f"cannot read {src / 'config.json'} ({exc}); point the converter at a Hugging Face "
-                              "model directory") from None
-    hp, plan = plan_tensors(config, SafetensorsSource(src), outtype.lower())
-    metadata = [("general.name", src.resolve().name or "GLM-5.2", GGUFValueType.STRING, None),
-                *hp.to_gguf_metadata(), *tokenizer_metadata(src, hp.vocab_size)]
-    write_gguf(out_path, metadata, plan, progress)
+    config = read_hf_config(src)
+    hp, plan = plan_tensors(config, SafetensorsSource(src), outtype)
+    metadata = [metadata_row("general.name", src.resolve().name or "GLM-5.2"), *hp.to_gguf_metadata(),
+                *tokenizer_metadata(src, hp.vocab_size, "glm4")]
+    write_gguf_atomic(out_path, ARCH, metadata, plan, progress)

@@ -13,29 +13,36 @@ row chunk at a time from memory-mapped safetensors; the output is written atomic
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import attrs
 import numpy as np
-from gguf import GGUFValueType, GGUFWriter
-from gguf.constants import GGMLQuantizationType
 
-from ds4_core.errors import ConversionError, ModelConfigError, TokenizerError
-from ds4_core.quants import quantize, tensor_nbytes
-from ds4_core.tokenizer import TOKEN_UNUSED, tokenizer_metadata_from_hf
+from ds4_core.conversion import (
+    Chunks,
+    PlannedTensor,
+    Progress,
+    SafetensorsSource,
+    TensorSource,
+    check_outtype,
+    gguf_type,
+    member_chunks,
+    metadata_row,
+    read_hf_config,
+    refuse_unknown_tensors,
+    row_chunks,
+    stacked_expert_chunks,
+    tokenizer_metadata,
+    write_gguf_atomic,
+)
+from ds4_core.conversion import config_field as _field
+from ds4_core.errors import ConversionError, ModelConfigError
 
 from .next_config import ARCH, DSA, KDA, Glm5NextConfig
 
-OUTTYPES = ("f32", "f16", "bf16", "q8_0")
-Progress = Callable[[int, int], None]
-T = GGMLQuantizationType
-_CHUNK_ELEMENTS = 1 << 22
 _LAYER_KINDS = {"linear_attention": KDA, "indexed_attention": DSA, "full_attention": DSA,
                 "deepseek_sparse_attention": DSA}
 
@@ -47,12 +54,6 @@ def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
     if model_type not in (None, "glm5_next", "glm5_next_text"):
         raise ConversionError(f"config.json declares model_type {model_type!r}; this converter handles glm5_next")
     return config.get("text_config") or config
-
-
-def _field(config: Mapping[str, Any], key: str) -> Any:
-    if config.get(key) is None:
-        raise ConversionError(f"config.json has no {key!r}; it is required to convert a GLM 5.3 Flash checkpoint")
-    return config[key]
 
 
 def hparams_from_config(config: Mapping[str, Any], n_nextn: int) -> Glm5NextConfig:
@@ -96,49 +97,6 @@ def hparams_from_config(config: Mapping[str, Any], n_nextn: int) -> Glm5NextConf
         raise ConversionError(f"config.json cannot be represented in a glm5-next GGUF: {exc}") from None
 
 
-# ---------------------------------------------------------------- safetensors source
-
-_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
-
-
-class SafetensorsSource:
-    """Float tensors of a directory's ``*.safetensors`` files, memory-mapped, read as leading-axis slices."""
-
-    def __init__(self, directory: Path):
-        self._entries: dict[str, tuple[np.memmap, str, tuple[int, ...]]] = {}
-        files = sorted(directory.glob("*.safetensors"))
-        if not files:
-            raise ConversionError(f"{directory} has no .safetensors files; point the converter at a Hugging Face "
-                                  "model directory")
-        for path in files:
-            with open(path, "rb") as f:
-                size = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(size))
-            data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + size)
-            for name, info in header.items():
-                if name == "__metadata__":
-                    continue
-                if info["dtype"] not in _DTYPES:
-                    raise ConversionError(f"tensor {name!r} in {path.name} is {info['dtype']}; only F32/F16/BF16 "
-                                          "checkpoints are supported (dequantize FP8 weights first)")
-                start, stop = info["data_offsets"]
-                self._entries[name] = (data[start:stop], info["dtype"], tuple(info["shape"]))
-
-    def names(self) -> set[str]:
-        return set(self._entries)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._entries[name][2]
-
-    def rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        """Rows ``[start, stop)`` of the leading axis as float32."""
-        raw, dtype, shape = self._entries[name]
-        a = raw.view(_DTYPES[dtype]).reshape(shape or (1,))[start:stop]
-        if dtype == "BF16":
-            return (a.astype(np.uint32) << 16).view(np.float32)
-        return a.astype(np.float32)
-
-
 # ---------------------------------------------------------------- names
 
 # Runtime (module) names -> checkpoint names inside "layers.N.", applied after the prefix is dropped.
@@ -149,8 +107,7 @@ _RENAMES = tuple((re.compile(p), r) for p, r in (
 _PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 _VISION = ("model.visual.", "visual.", "model.vision_tower.")
 
-# (GGUF name inside blk.N, checkpoint name inside layers.N, type class). Type classes: "matrix" -> Q8_0 under q8_0
-# (F16 when rows are not a multiple of 32), "half" -> F16 under q8_0, both -> the outtype otherwise; "f32" always F32.
+# (GGUF name inside blk.N, checkpoint name inside layers.N, type class of ds4_core.conversion.gguf_type).
 _BLOCK = (("attn_norm.weight", "input_layernorm.weight", "f32"),
           ("ffn_norm.weight", "post_attention_layernorm.weight", "f32"))
 _HC = tuple((f"hc_{s}_{p}.weight", f"hc_{s}_{p}", "half" if p == "fn" else "f32")
@@ -201,44 +158,11 @@ def canonical_name(name: str) -> str | None:
     return name
 
 
-def _tensor_type(type_class: str, outtype: str, row_length: int) -> GGMLQuantizationType:
-    if type_class == "f32":
-        return T.F32
-    if outtype != "q8_0":
-        return T[outtype.upper()]
-    return T.Q8_0 if type_class == "matrix" and row_length % 32 == 0 else T.F16
-
-
 # ---------------------------------------------------------------- the plan
 
 
-@attrs.frozen
-class PlannedTensor:
-    """One GGUF tensor: name, numpy-order shape, type, and its row chunks in order."""
-
-    name: str
-    shape: tuple[int, ...]
-    qtype: GGMLQuantizationType
-    chunks: Callable[[], Iterator[np.ndarray]]
-
-    @property
-    def nbytes(self) -> int:
-        return tensor_nbytes(self.qtype, self.shape)
-
-
-def _rows(source: Any, name: str, transform: Callable[[np.ndarray], np.ndarray] | None = None
-          ) -> Callable[[], Iterator[np.ndarray]]:
-    def chunks() -> Iterator[np.ndarray]:
-        shape = source.shape(name) or (1,)
-        step = max(1, _CHUNK_ELEMENTS // max(1, int(np.prod(shape[1:]))))
-        for start in range(0, shape[0], step):
-            part = source.rows(name, start, min(start + step, shape[0]))
-            yield part if transform is None else transform(part)
-    return chunks
-
-
 class _Planner:
-    def __init__(self, hp: Glm5NextConfig, source: Any, outtype: str):
+    def __init__(self, hp: Glm5NextConfig, source: TensorSource, outtype: str):
         self.hp, self.source, self.outtype = hp, source, outtype
         self.by_name: dict[str, str] = {}
         for name in sorted(source.names()):
@@ -262,15 +186,14 @@ class _Planner:
         self.used.add(canonical)
         return self.by_name[canonical]
 
-    def add(self, gguf_name: str, shape: tuple[int, ...], type_class: str,
-            chunks: Callable[[], Iterator[np.ndarray]]) -> None:
-        self.plan.append(PlannedTensor(gguf_name, shape, _tensor_type(type_class, self.outtype, shape[-1]), chunks))
+    def add(self, gguf_name: str, shape: tuple[int, ...], type_class: str, chunks: Chunks) -> None:
+        self.plan.append(PlannedTensor(gguf_name, shape, gguf_type(type_class, self.outtype, shape[-1]), chunks))
 
     def table(self, table: tuple, layer: int | None, what: str) -> None:
         for gguf_name, local, type_class in table:
             name = self.take(f"layers.{layer}.{local}" if layer is not None else local, what)
             full = f"blk.{layer}.{gguf_name}" if layer is not None else gguf_name
-            self.add(full, self.source.shape(name) or (1,), type_class, _rows(self.source, name))
+            self.add(full, self.source.shape(name) or (1,), type_class, row_chunks(self.source, name))
 
     def kda(self, layer: int) -> None:
         merged = f"layers.{layer}.self_attn.conv1d.weight"
@@ -314,17 +237,10 @@ class _Planner:
             shape = (E, D, F) if part == "down" else (E, F, D)
             if stacked:
                 name = self.take(prefix + ("down_proj" if part == "down" else "gate_up_proj"), f"MoE layer {layer}")
-
-                def chunks(name: str = name, part: str = part) -> Iterator[np.ndarray]:
-                    for e in range(E):
-                        block = self.source.rows(name, e, e + 1)
-                        yield block if part == "down" else block[:, :F] if part == "gate" else block[:, F:]
+                chunks = stacked_expert_chunks(self.source, name, E, part, F)
             else:
                 names = [self.take(f"{prefix}{e}.{part}_proj.weight", f"MoE layer {layer}") for e in range(E)]
-
-                def chunks(names: list[str] = names) -> Iterator[np.ndarray]:
-                    for member in names:
-                        yield self.source.rows(member, 0, self.source.shape(member)[0])[None]
+                chunks = member_chunks(self.source, names)
             self.add(f"blk.{layer}.ffn_{part}_exps.weight", shape, "matrix", chunks)
 
     def build(self) -> list[PlannedTensor]:
@@ -342,20 +258,17 @@ class _Planner:
             self.moe(layer) if mtp or not hp.is_dense(layer) else self.table(_DENSE, layer, f"dense layer {layer}")
         self.table((("output_norm.weight", "norm.weight", "f32"), ("output.weight", "lm_head.weight", "matrix")),
                    None, "every model")
-        unknown = sorted(self.by_name[c] for c in set(self.by_name) - self.used)
-        if unknown:
-            shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
-            raise ConversionError(f"the checkpoint holds tensors this converter does not know: {shown}; it may be a "
-                                  "different model or config.json may not match it")
+        refuse_unknown_tensors([self.by_name[c] for c in set(self.by_name) - self.used],
+                               "it may be a different model or config.json may not match it")
         return self.plan
 
 
-def plan_tensors(hp: Glm5NextConfig, source: Any, outtype: str) -> list[PlannedTensor]:
+def plan_tensors(hp: Glm5NextConfig, source: TensorSource, outtype: str) -> list[PlannedTensor]:
     """Map every source tensor to its ``glm5-next`` GGUF tensor; refuse missing, duplicate and unknown tensors."""
     return _Planner(hp, source, outtype).build()
 
 
-def count_mtp_blocks(config: Mapping[str, Any], source: Any) -> int:
+def count_mtp_blocks(config: Mapping[str, Any], source: TensorSource) -> int:
     """MTP blocks present in ``source`` (transformers' ``save_pretrained`` drops them, so often 0)."""
     n = int(_field(_text_config(config), "num_hidden_layers"))
     names = {canonical_name(name) for name in source.names()}
@@ -367,91 +280,16 @@ def count_mtp_blocks(config: Mapping[str, Any], source: Any) -> int:
 
 # ---------------------------------------------------------------- writing
 
-Row = tuple[str, Any, GGUFValueType, GGUFValueType | None]
 
-
-def write_gguf(out_path: str | os.PathLike[str], metadata: list[Row], plan: list[PlannedTensor],
-               progress: Progress | None = None) -> None:
-    """Write a GGUF atomically: a temporary file beside ``out_path``, fsync, then rename over it."""
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    writer = GGUFWriter(None, ARCH)
-    try:
-        for key, value, vtype, sub_type in metadata:
-            writer.add_key_value(key, value, vtype, sub_type)
-        for tensor in plan:
-            writer.add_tensor_info(tensor.name, tensor.shape, np.dtype(np.float32), tensor.nbytes,
-                                   raw_dtype=tensor.qtype)
-        writer.write_header_to_file(tmp)
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        fout, total, done = writer.fout[0], sum(t.nbytes for t in plan), 0
-        for tensor in plan:
-            fout.write(b"\0" * (-fout.tell() % writer.data_alignment))
-            written = 0
-            for chunk in tensor.chunks():
-                data = quantize(np.ascontiguousarray(chunk, dtype=np.float32), tensor.qtype).tobytes()
-                fout.write(data)
-                written += len(data)
-            if written != tensor.nbytes:
-                raise ConversionError(f"tensor {tensor.name} produced {written} bytes instead of {tensor.nbytes}; "
-                                      "the source tensor does not match its declared shape")
-            done += written
-            if progress is not None:
-                progress(done, total)
-        fout.write(b"\0" * (-fout.tell() % writer.data_alignment))
-        writer.flush()
-        os.fsync(fout.fileno())
-        writer.close()
-        os.replace(tmp, out_path)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _metadata_row(key: str, value: Any) -> Row:
-    if isinstance(value, (list, tuple, np.ndarray)):
-        items = list(value)
-        return (key, items, GGUFValueType.ARRAY, GGUFValueType.get_type(items[0]) if items else GGUFValueType.INT32)
-    return (key, value, GGUFValueType.get_type(value), None)
-
-
-def tokenizer_metadata(src_dir: Path, vocab: int) -> list[Row]:
-    """``tokenizer.*`` metadata (GLM pre-tokenizer ``glm4``), the token list padded with unused entries to ``vocab``."""
-    if not (src_dir / "tokenizer.json").is_file():
-        raise ConversionError(f"{src_dir} has no tokenizer.json; copy it from the model's Hugging Face repository")
-    try:
-        metadata = tokenizer_metadata_from_hf(src_dir, pre="glm4")
-    except TokenizerError as exc:
-        raise ConversionError(f"cannot convert the tokenizer of {src_dir}: {exc}") from None
-    tokens, types = metadata["tokenizer.ggml.tokens"], metadata["tokenizer.ggml.token_type"]
-    if len(tokens) > vocab:
-        raise ConversionError(f"tokenizer.json has {len(tokens)} tokens but the model only {vocab} embedding rows")
-    metadata["tokenizer.ggml.tokens"] = [*tokens, *(f"[PAD{i}]" for i in range(len(tokens), vocab))]
-    metadata["tokenizer.ggml.token_type"] = [*types, *[TOKEN_UNUSED] * (vocab - len(types))]
-    return [_metadata_row(key, value) for key, value in metadata.items()]
-
-
-def build_gguf(source: Any, config: Mapping[str, Any], tokenizer_dir: Path, out_path: str | os.PathLike[str],
+def build_gguf(source: TensorSource, config: Mapping[str, Any], tokenizer_dir: Path, out_path: str | os.PathLike[str],
                outtype: str, name: str, progress: Progress | None = None) -> None:
     """Write the ``glm5-next`` GGUF of ``source`` (``names/shape/rows``) under ``config`` (a config.json dict)."""
-    outtype = _check_outtype(outtype)
+    outtype = check_outtype(outtype)
     hp = hparams_from_config(config, count_mtp_blocks(config, source))
     plan = plan_tensors(hp, source, outtype)
-    metadata = [("general.name", name, GGUFValueType.STRING, None),
-                *((k, v, t, s) for k, (v, t, s) in hp.to_gguf_metadata().items()),
-                *tokenizer_metadata(tokenizer_dir, hp.vocab_size)]
-    write_gguf(out_path, metadata, plan, progress)
-
-
-def _check_outtype(outtype: str) -> str:
-    if not isinstance(outtype, str) or outtype.lower() not in OUTTYPES:
-        raise ConversionError(f"unsupported output type {outtype!r}; choose one of {', '.join(OUTTYPES)}")
-    return outtype.lower()
+    metadata = [metadata_row("general.name", name), *((k, v, t, s) for k, (v, t, s) in hp.to_gguf_metadata().items()),
+                *tokenizer_metadata(tokenizer_dir, hp.vocab_size, "glm4")]
+    write_gguf_atomic(out_path, ARCH, metadata, plan, progress)
 
 
 def convert(src_dir: str | os.PathLike[str], out_path: str | os.PathLike[str], outtype: str,
@@ -462,13 +300,7 @@ def convert(src_dir: str | os.PathLike[str], out_path: str | os.PathLike[str], o
     HC base/scale) or ``q8_0`` (Q8_0 matrices, F16 embedding/HC/indexer head weights and pool tensors).
     Raises :class:`ConversionError` on anything it cannot convert; ``out_path`` is then left untouched.
     """
-    outtype = _check_outtype(outtype)
+    outtype = check_outtype(outtype)
     src = Path(src_dir)
-    config_path = src / "config.json"
-    if not config_path.is_file():
-        raise ConversionError(f"{src} has no config.json; point the converter at a Hugging Face model directory")
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConversionError(f"{config_path} is not valid JSON ({exc}); re-download it") from None
+    config = read_hf_config(src)
     build_gguf(SafetensorsSource(src), config, src, out_path, outtype, src.resolve().name or "GLM-5.3-Flash", progress)

@@ -297,5 +297,5 @@ class Glm5NextModel:
         for block, ls in zip(self.blocks, state.layers, strict=True):
             S, rows = block(ops, S, pos, ls, p0, rows)
         state.n_tokens = p0 + T
-        h = S.mean(axis=1, dtype=xp.float32)
+        h = S.mean(axis=1)  # S is float32 already
         return ops.linear(ops.rms_norm(h, self.output_norm, cfg.rms_norm_eps), self.output)

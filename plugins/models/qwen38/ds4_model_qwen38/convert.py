@@ -17,44 +17,42 @@ Value changes made on the way, each at the function that makes it:
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
-import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import attrs
 import numpy as np
-from gguf import GGUFValueType, GGUFWriter
-from gguf.constants import GGMLQuantizationType
 
-from ds4_core.errors import ConversionError, ModelConfigError, TokenizerError
-from ds4_core.quants import quantize, tensor_nbytes
-from ds4_core.tokenizer import TOKEN_UNUSED, tokenizer_metadata_from_hf
+from ds4_core.conversion import (
+    Chunks,
+    PlannedTensor,
+    Progress,
+    SafetensorsSource,
+    check_outtype,
+    gguf_type,
+    member_chunks,
+    metadata_row,
+    read_hf_config,
+    refuse_unknown_tensors,
+    stacked_expert_chunks,
+    tokenizer_metadata,
+    write_gguf_atomic,
+)
+from ds4_core.conversion import config_field as _field
+from ds4_core.errors import ConversionError, ModelConfigError
 
 from .config import ARCH, Qwen38Config
 from .hashing import layer_multipliers, table_sizes
 from .model import NGRAM_TABLE
 
-OUTTYPES = ("f32", "f16", "bf16", "q8_0")
-Progress = Callable[[int, int], None]
-T = GGMLQuantizationType
-Chunks = Callable[[], Iterator[np.ndarray]]
-
 _TABLE_CHUNK_ROWS = 1 << 16
-_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2", "I64": "<i8", "I32": "<i4"}
+_DTYPES = ("F64", "F32", "F16", "BF16", "I64", "I32")
 
 
 # ---------------------------------------------------------------- hyperparameters
-
-
-def _field(config: Mapping[str, Any], key: str) -> Any:
-    if config.get(key) is None:
-        raise ConversionError(f"config.json has no {key!r}; it is required to convert a Qwen3.8 checkpoint")
-    return config[key]
 
 
 def _layer_types(config: Mapping[str, Any], n_layers: int) -> list[str]:
@@ -132,64 +130,16 @@ def _padded_rows(sizes: list[int], divisor: int) -> int:
 # ---------------------------------------------------------------- safetensors source
 
 
-@attrs.frozen
-class _Stored:
-    path: Path
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int
-    end: int
+def _text_tower_name(name: str) -> str | None:
+    """The name the planner uses: the VLM's text tower as ``model.*``; ``None`` (skipped) for MTP and vision."""
+    if name.startswith(("mtp.", "model.visual.")):
+        return None
+    return name.replace("model.language_model.", "model.")
 
 
-class SafetensorsSource:
-    """Every ``*.safetensors`` file of a directory, memory-mapped, names normalised to ``model.*``."""
-
-    def __init__(self, directory: Path):
-        files = sorted(directory.glob("*.safetensors"))
-        if not files:
-            raise ConversionError(f"{directory} holds no *.safetensors files; point the converter at the model "
-                                  "directory downloaded from Hugging Face")
-        self.stored: dict[str, _Stored] = {}
-        for path in files:
-            try:
-                with path.open("rb") as f:
-                    length = int.from_bytes(f.read(8), "little")
-                    header = json.loads(f.read(length))
-            except (OSError, ValueError) as exc:
-                raise ConversionError(f"{path} is not a readable safetensors file ({exc}); re-download it") from None
-            for name, entry in header.items():
-                if name == "__metadata__" or name.startswith(("mtp.", "model.visual.")):
-                    continue
-                if entry["dtype"] not in _DTYPES:
-                    raise ConversionError(f"{path}: tensor {name!r} has dtype {entry['dtype']}; supported: "
-                                          f"{', '.join(_DTYPES)}")
-                begin, end = entry["data_offsets"]
-                self.stored[name.replace("model.language_model.", "model.")] = _Stored(
-                    path, entry["dtype"], tuple(entry["shape"]), 8 + length + begin, 8 + length + end)
-        self._maps: dict[Path, np.memmap] = {}
-
-    def has(self, name: str) -> bool:
-        return name in self.stored
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._entry(name).shape
-
-    def _entry(self, name: str) -> _Stored:
-        if name not in self.stored:
-            raise ConversionError(f"the checkpoint has no tensor {name!r}; the download is incomplete or config.json "
-                                  "does not match the weights")
-        return self.stored[name]
-
-    def read(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """``name[start:stop]`` as float32 (int64 for integer tensors)."""
-        entry = self._entry(name)
-        if entry.path not in self._maps:
-            self._maps[entry.path] = np.memmap(entry.path, dtype=np.uint8, mode="r")
-        raw = self._maps[entry.path][entry.begin:entry.end].view(_DTYPES[entry.dtype]).reshape(entry.shape or (1,))
-        raw = raw[start:stop]
-        if entry.dtype == "BF16":
-            return (raw.astype(np.uint32) << 16).view(np.float32)
-        return raw.astype(np.int64 if entry.dtype.startswith("I") else np.float32)
+def text_tower_source(directory: Path) -> SafetensorsSource:
+    """The checkpoint's text-model tensors, names normalised to ``model.*``."""
+    return SafetensorsSource(directory, dtypes=_DTYPES, rename=_text_tower_name)
 
 
 # ---------------------------------------------------------------- value transforms
@@ -220,37 +170,14 @@ def _tile_value_heads(x: np.ndarray, nk: int, nv: int, axis: int = 0) -> np.ndar
 # ---------------------------------------------------------------- the plan
 
 
-@attrs.frozen
-class Planned:
-    """One GGUF tensor: name, numpy-order shape, type, its row chunks in order."""
-
-    name: str
-    shape: tuple[int, ...]
-    qtype: GGMLQuantizationType
-    chunks: Chunks
-
-    @property
-    def nbytes(self) -> int:
-        return tensor_nbytes(self.qtype, self.shape)
-
-
-def _qtype(kind: str, outtype: str, row: int) -> GGMLQuantizationType:
-    """``kind``: ``"f32"`` (norms, small vectors, conv taps) or ``"matrix"``."""
-    if kind == "f32" or outtype == "f32":
-        return T.F32
-    if outtype == "q8_0":
-        return T.Q8_0 if row % 32 == 0 else T.F16
-    return T[outtype.upper()]
-
-
 class _Planner:
     def __init__(self, hp: Qwen38Config, source: SafetensorsSource, outtype: str):
         self.hp, self.source, self.outtype = hp, source, outtype
-        self.plan: list[Planned] = []
+        self.plan: list[PlannedTensor] = []
         self.names: set[str] = set()  # checkpoint tensors the plan reads
 
     def add(self, name: str, value: Callable[[], np.ndarray], shape: tuple[int, ...], kind: str = "matrix") -> None:
-        self.plan.append(Planned(name, shape, _qtype(kind, self.outtype, shape[-1]), lambda: iter([value()])))
+        self.plan.append(PlannedTensor(name, shape, gguf_type(kind, self.outtype, shape[-1]), lambda: iter([value()])))
 
     def copy(self, name: str, hf: str, kind: str = "matrix",
              transform: Callable[[np.ndarray], np.ndarray] | None = None, shape: tuple[int, ...] | None = None) -> None:
@@ -258,7 +185,7 @@ class _Planner:
         self.names.add(hf)
 
         def value() -> np.ndarray:
-            x = src.read(hf)
+            x = src.rows(hf)
             return transform(x) if transform else x
 
         self.add(name, value, shape or src.shape(hf), kind)
@@ -321,11 +248,9 @@ class _Planner:
             if src.shape(fused) != (E, 2 * F, D) or src.shape(down) != (E, D, F):
                 raise ConversionError(f"{fused} / {down} have shapes {src.shape(fused)} / {src.shape(down)}; "
                                       f"config.json implies {(E, 2 * F, D)} / {(E, D, F)}")
-            parts = {"gate": (fused, slice(0, F)), "up": (fused, slice(F, 2 * F)), "down": (down, slice(None))}
 
             def experts(part: str) -> Chunks:  # one expert at a time keeps memory bounded
-                name, rows = parts[part]
-                return lambda: (src.read(name, e, e + 1)[0, rows] for e in range(E))
+                return stacked_expert_chunks(src, down if part == "down" else fused, E, part, F)
         else:  # one tensor per expert (what save_pretrained writes)
             def experts(part: str) -> Chunks:
                 names = [f"{hf}.experts.{e}.{part}_proj.weight" for e in range(E)]
@@ -334,12 +259,12 @@ class _Planner:
                     if src.shape(name) != ((D, F) if part == "down" else (F, D)):
                         raise ConversionError(f"{name} has shape {src.shape(name)}; config.json implies "
                                               f"{(D, F) if part == 'down' else (F, D)}")
-                return lambda: (src.read(name) for name in names)
+                return member_chunks(src, names)
 
         for part in ("gate", "up", "down"):
             shape = (E, D, F) if part == "down" else (E, F, D)
-            self.plan.append(Planned(f"{blk}.ffn_{part}_exps.weight", shape,
-                                     _qtype("matrix", self.outtype, shape[-1]), experts(part)))
+            self.plan.append(PlannedTensor(f"{blk}.ffn_{part}_exps.weight", shape,
+                                           gguf_type("matrix", self.outtype, shape[-1]), experts(part)))
 
     def ple(self, blk: str, hf: str) -> None:
         for ours, theirs in (("ple_key", "key_proj"), ("ple_value", "value_proj")):
@@ -361,7 +286,7 @@ class _Planner:
         for buffer, values in expected.items():
             name = f"{hf}.ple_embedding.{buffer}"
             self.names.add(name)
-            if self.source.has(name) and self.source.read(name).tolist() != list(values):
+            if self.source.has(name) and self.source.rows(name).tolist() != list(values):
                 raise ConversionError(f"{name} does not match the n-gram hash that config.json implies; the config "
                                       "(seed, ngram_vocab_size_base, vocab_size, ple_layer_ids) does not fit the "
                                       "weights")
@@ -375,7 +300,7 @@ class _Planner:
             if src.has(prefix + "weight"):
                 pieces.append(prefix + "weight")
                 continue
-            shards = sorted((n for n in src.stored if n.startswith(prefix + "shard_")),
+            shards = sorted((n for n in src.names() if n.startswith(prefix + "shard_")),
                             key=lambda n: int(n[len(prefix) + 6:].split(".")[0]))
             if not shards:
                 raise ConversionError(f"the checkpoint has no n-gram table {prefix}weight (nor shard_k pieces)")
@@ -386,13 +311,13 @@ class _Planner:
         def chunks() -> Iterator[np.ndarray]:
             for piece in pieces:
                 for start in range(0, src.shape(piece)[0], _TABLE_CHUNK_ROWS):
-                    yield src.read(piece, start, start + _TABLE_CHUNK_ROWS)
+                    yield src.rows(piece, start, start + _TABLE_CHUNK_ROWS)
 
         shape = (rows, hp.ple_row_dim)
-        self.plan.append(Planned(NGRAM_TABLE, shape, _qtype("matrix", self.outtype, shape[1]), chunks))
+        self.plan.append(PlannedTensor(NGRAM_TABLE, shape, gguf_type("matrix", self.outtype, shape[1]), chunks))
 
 
-def plan_tensors(hp: Qwen38Config, source: SafetensorsSource, outtype: str) -> list[Planned]:
+def plan_tensors(hp: Qwen38Config, source: SafetensorsSource, outtype: str) -> list[PlannedTensor]:
     """Every GGUF tensor in file order (the n-gram table last, so a file cut short loses only table rows)."""
     p = _Planner(hp, source, outtype)
     p.copy("token_embd.weight", "model.embed_tokens.weight")
@@ -411,81 +336,8 @@ def plan_tensors(hp: Qwen38Config, source: SafetensorsSource, outtype: str) -> l
     p.copy("output.weight", "lm_head.weight")
     if hp.ple_layers:
         p.ngram_table()
-    unknown = sorted(set(source.stored) - p.names)
-    if unknown:
-        raise ConversionError(f"the checkpoint holds tensors this converter does not know: {', '.join(unknown[:5])}"
-                              f"{' …' if len(unknown) > 5 else ''}; it may be another model or config.json may not "
-                              "match it")
+    refuse_unknown_tensors(source.names() - p.names, "it may be another model or config.json may not match it")
     return p.plan
-
-
-# ---------------------------------------------------------------- writing
-
-
-def write_gguf(out_path: str | os.PathLike[str], metadata: list[tuple[str, Any, GGUFValueType, GGUFValueType | None]],
-               plan: list[Planned], progress: Progress | None = None) -> None:
-    """Write a GGUF atomically: a temporary file beside ``out_path``, fsync, then rename over it."""
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    writer = GGUFWriter(None, ARCH)
-    try:
-        for key, value, vtype, sub_type in metadata:
-            writer.add_key_value(key, value, vtype, sub_type)
-        for tensor in plan:
-            writer.add_tensor_info(tensor.name, tensor.shape, np.dtype(np.float32), tensor.nbytes,
-                                   raw_dtype=tensor.qtype)
-        writer.write_header_to_file(tmp)
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        fout, total, done = writer.fout[0], sum(t.nbytes for t in plan), 0
-        for tensor in plan:
-            fout.write(b"\0" * (-fout.tell() % writer.data_alignment))
-            written = 0
-            for chunk in tensor.chunks():
-                data = quantize(np.ascontiguousarray(chunk, dtype=np.float32), tensor.qtype).tobytes()
-                fout.write(data)
-                written += len(data)
-            if written != tensor.nbytes:
-                raise ConversionError(f"tensor {tensor.name} produced {written} bytes instead of {tensor.nbytes}; "
-                                      "the source tensor does not match config.json")
-            done += written
-            if progress is not None:
-                progress(done, total)
-        fout.write(b"\0" * (-fout.tell() % writer.data_alignment))
-        writer.flush()
-        os.fsync(fout.fileno())
-        writer.close()
-        os.replace(tmp, out_path)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _metadata_row(key: str, value: Any) -> tuple[str, Any, GGUFValueType, GGUFValueType | None]:
-    if isinstance(value, (list, tuple)):
-        items = list(value)
-        return (key, items, GGUFValueType.ARRAY, GGUFValueType.get_type(items[0]) if items else GGUFValueType.INT32)
-    return (key, value, GGUFValueType.get_type(value), None)
-
-
-def tokenizer_metadata(src_dir: Path, vocab: int) -> list[tuple[str, Any, GGUFValueType, GGUFValueType | None]]:
-    """``tokenizer.*`` rows from ``src_dir`` (pre-tokenizer ``qwen35``), padded with unused ids to ``vocab`` rows."""
-    if not (src_dir / "tokenizer.json").is_file():
-        raise ConversionError(f"{src_dir} has no tokenizer.json; copy it from the model's Hugging Face repository")
-    try:
-        metadata = tokenizer_metadata_from_hf(src_dir, pre="qwen35")
-    except TokenizerError as exc:
-        raise ConversionError(f"cannot convert the tokenizer of {src_dir}: {exc}") from None
-    tokens, types = metadata["tokenizer.ggml.tokens"], metadata["tokenizer.ggml.token_type"]
-    if len(tokens) > vocab:
-        raise ConversionError(f"tokenizer.json has {len(tokens)} tokens but the model only {vocab} embedding rows")
-    metadata["tokenizer.ggml.tokens"] = [*tokens, *(f"[PAD{i}]" for i in range(len(tokens), vocab))]
-    metadata["tokenizer.ggml.token_type"] = [*types, *[TOKEN_UNUSED] * (vocab - len(types))]
-    return [_metadata_row(key, value) for key, value in metadata.items()]
 
 
 def convert(src_dir: str | os.PathLike[str], out_path: str | os.PathLike[str], outtype: str,
@@ -496,17 +348,12 @@ def convert(src_dir: str | os.PathLike[str], out_path: str | os.PathLike[str], o
     delta-net vectors), or ``q8_0`` (Q8_0 where rows are multiples of 32, else F16). Raises
     :class:`ConversionError` on anything it cannot convert; ``out_path`` is then left untouched.
     """
-    if not isinstance(outtype, str) or outtype.lower() not in OUTTYPES:
-        raise ConversionError(f"unsupported output type {outtype!r}; choose one of {', '.join(OUTTYPES)}")
+    outtype = check_outtype(outtype)
     src = Path(src_dir)
-    try:
-        config = json.loads((src / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConversionError(f"{src}/config.json is missing or not valid JSON ({exc})") from None
+    config = read_hf_config(src)
     hp = hparams_from_config(config)
-    source = SafetensorsSource(src)
-    plan = plan_tensors(hp, source, outtype.lower())
-    metadata = [("general.name", src.resolve().name or "Qwen3.8", GGUFValueType.STRING, None),
-                *hp.to_gguf_metadata(), *tokenizer_metadata(src, hp.vocab_size)]
-    write_gguf(out_path, metadata, plan, progress)
+    plan = plan_tensors(hp, text_tower_source(src), outtype)
+    metadata = [metadata_row("general.name", src.resolve().name or "Qwen3.8"), *hp.to_gguf_metadata(),
+                *tokenizer_metadata(src, hp.vocab_size, "qwen35")]
+    write_gguf_atomic(out_path, ARCH, metadata, plan, progress)
 

@@ -128,8 +128,8 @@ class GatedAttention:
         scores = xp.where(blocks[None, :] < complete[:, None], scores, -xp.inf)
         chosen = ops.topk(scores, self.block_topk)
         chosen_ok = xp.take_along_axis(blocks[None, :] < complete[:, None], chosen, axis=1)
-        kept = xp.zeros((T, n_blocks + 1), dtype=bool)  # the extra column absorbs unusable picks
-        xp.put_along_axis(kept, xp.where(chosen_ok, chosen, n_blocks), True, axis=1)
+        kept = xp.zeros((T, n_blocks + 1), dtype=xp.bool_)  # the extra column absorbs unusable picks
+        kept[xp.arange(T)[:, None], xp.where(chosen_ok, chosen, n_blocks)] = True
         block_of_key = xp.minimum(keys // r, n_blocks)
         in_tail = keys[None, :] >= (complete * r)[:, None]
         return visible & (in_tail | xp.take_along_axis(kept, xp.broadcast_to(block_of_key, (T, n)), axis=1))
