@@ -296,7 +296,9 @@ def tokenizer_metadata(src_dir: Path, vocab: int, pre: str) -> list[MetadataRow]
                               "the tokenizer belongs to another model")
     metadata["tokenizer.ggml.tokens"] = [*tokens, *(f"[PAD{i}]" for i in range(len(tokens), vocab))]
     metadata["tokenizer.ggml.token_type"] = [*types, *[TOKEN_UNUSED] * (vocab - len(types))]
-    return [metadata_row(key, value) for key, value in metadata.items()]
+    rows = [metadata_row(key, value) for key, value in metadata.items()]
+    # special-token ids are UINT32, as gguf-py writes them and llama.cpp requires
+    return [(k, v, GGUFValueType.UINT32, None) if k.endswith("_token_id") else (k, v, t, e) for k, v, t, e in rows]
 
 
 # ---------------------------------------------------------------- writing

@@ -82,9 +82,7 @@ def test_disconnect_storm_frees_every_slot_within_a_second(slow_gguf):
             async with httpx.AsyncClient(timeout=30, limits=limits) as http:
                 return max(await asyncio.gather(*(client(http, i) for i in range(200))))
 
-        t0 = time.monotonic()
         last_abort = asyncio.run(storm())
-        print("storm", last_abort - t0)
         while (health := srv.health())["slots_busy"] or health["queued"]:
             assert time.monotonic() - last_abort < 1.0, health
             time.sleep(0.02)
@@ -93,3 +91,32 @@ def test_disconnect_storm_frees_every_slot_within_a_second(slow_gguf):
         # the server still answers normally afterwards
         ok = httpx.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": "[[ok]]"}]}, timeout=30)
         assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "ok"
+
+
+def test_serve_without_model_uses_the_embedded_tiny_deepseek_v4():
+    """``ds4 serve`` with no -m loads the embedded tiny DeepSeek V4 and answers the openai SDK."""
+    import openai
+
+    cmd = [sys.executable, "-c", "from ds4_core.cli import main; main()", "serve", "--port", "0"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        url = None
+        deadline = time.monotonic() + 60
+        while url is None and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, "ds4 serve exited"
+            if line.startswith("ds4 serve: listening on "):
+                url = line.split()[-1]
+        while httpx.get(f"{url}/health", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline, "the tiny model never became ready"
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        (model,) = client.models.list().data
+        assert model.model_extra["meta"]["family"] == "deepseek4"
+        reply = client.chat.completions.create(model=model.id, max_tokens=4, temperature=0, reasoning_effort="none",
+                                               messages=[{"role": "user", "content": "hi"}])
+        assert reply.choices[0].finish_reason in ("stop", "length") and 0 < reply.usage.completion_tokens <= 4
+        assert reply.usage.prompt_tokens > 0
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -79,7 +79,8 @@ def test_auth_matrix_and_cors(gguf):
             .choices[0].message.content == "ok"
         pre = httpx.options(f"{srv.url}/v1/chat/completions", headers={
             "origin": "https://a.example", "access-control-request-method": "POST"})
-        assert pre.status_code in (200, 204) and pre.headers["access-control-allow-origin"] == "https://a.example"
+        assert pre.status_code == 204 and pre.headers["access-control-allow-origin"] == "https://a.example"
+        assert "POST" in pre.headers["access-control-allow-methods"] and not pre.content
         evil = httpx.options(f"{srv.url}/v1/chat/completions", headers={
             "origin": "https://evil.example", "access-control-request-method": "POST"})
         assert "access-control-allow-origin" not in evil.headers

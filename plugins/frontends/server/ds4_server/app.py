@@ -16,7 +16,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ds4_core.errors import Ds4Error
@@ -121,11 +123,7 @@ async def _cancel_on_disconnect(app_call: Any, replay: _Replay) -> None:
     work = asyncio.ensure_future(app_call)
     watcher = asyncio.ensure_future(replay.watch())
     try:
-        import time as _t
-        t0 = _t.monotonic()
         await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
-        if _t.monotonic() - t0 > 2:
-            print("DEBUG long", work.done(), watcher.done(), _t.monotonic() - t0, file=sys.stderr, flush=True)
         if not work.done():
             work.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -170,6 +168,17 @@ async def _reply(send: Any, path: str, status: int, message: str, headers: dict[
     raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": body})
+
+
+class _Cors(CORSMiddleware):
+    """Starlette's CORS, answering an accepted preflight with 204 No Content (it answers 200 "OK")."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code != 200:
+            return response
+        headers = {k: v for k, v in response.headers.items() if k not in ("content-length", "content-type")}
+        return Response(status_code=204, headers=headers)
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -230,9 +239,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(anthropic_api.router(state))
     app.add_middleware(Guard, state=state)
     if state.config.cors:
-        from fastapi.middleware.cors import CORSMiddleware
-
-        app.add_middleware(CORSMiddleware, allow_origins=list(state.config.cors), allow_methods=["GET", "POST"],
+        app.add_middleware(_Cors, allow_origins=list(state.config.cors), allow_methods=["GET", "POST"],
                            allow_headers=["authorization", "content-type", "x-api-key", "anthropic-version"])
     return app
 

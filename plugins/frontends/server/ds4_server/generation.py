@@ -265,8 +265,9 @@ async def _events(queue: asyncio.Queue, cancel: threading.Event, ping_s: float) 
     try:
         yield None
         while True:
-            try:
-                item = await asyncio.wait_for(queue.get(), ping_s)
+            try:  # not asyncio.wait_for: on 3.11 it swallows a cancel that lands as an item arrives
+                async with asyncio.timeout(ping_s):
+                    item = await queue.get()
             except TimeoutError:
                 yield PING
                 continue

@@ -21,6 +21,7 @@ from typing import Any
 
 import attrs
 import numpy as np
+from gguf import GGUFValueType
 
 from ds4_core.conversion import (
     SAFETENSORS_DTYPES,
@@ -161,8 +162,12 @@ def hparams_from_config(config: Mapping[str, Any]) -> DeepSeekV4Config:
 
 
 def gguf_metadata(hp: DeepSeekV4Config) -> list[MetadataRow]:
-    """The ``deepseek4.*`` metadata of spec §12.2 as (key, value, value type, array element type) rows."""
-    return [(key, value, vtype, sub_type) for key, (value, vtype, sub_type) in hp.to_gguf_metadata().items()]
+    """The ``deepseek4.*`` metadata of spec §12.2 as (key, value, value type, array element type) rows, plus the
+    two keys llama.cpp's ``deepseek4`` loader also reads (sqrt-softplus gating = 4, YaRN scaling), which ds4
+    ignores; with them the same file loads in both engines (docs/conformance.md)."""
+    rows = [(key, value, vtype, sub_type) for key, (value, vtype, sub_type) in hp.to_gguf_metadata().items()]
+    return [*rows, ("deepseek4.expert_gating_func", 4, GGUFValueType.UINT32, None),
+            ("deepseek4.rope.scaling.type", "yarn", GGUFValueType.STRING, None)]
 
 
 # ---------------------------------------------------------------- tensor names and types (§11, §12.3)

@@ -195,10 +195,11 @@ class _Planner:
 
     def hyper_connection(self, prefix: str, hf: str, inject: bool) -> None:
         self.norm(f"{prefix}_norm.weight", f"{hf}.hc_norm.weight")
-        self.copy(f"{prefix}_down.weight", f"{hf}.input_mix_weight_down.weight")
-        self.copy(f"{prefix}_up.weight", f"{hf}.input_mix_weight_up.weight")
+        # the mixers stay float at every outtype: the loader (like ds4) accepts only F32/F16/BF16 there
+        self.copy(f"{prefix}_down.weight", f"{hf}.input_mix_weight_down.weight", kind="half")
+        self.copy(f"{prefix}_up.weight", f"{hf}.input_mix_weight_up.weight", kind="half")
         if inject:
-            self.copy(f"{prefix}_inject.weight", f"{hf}.block_inject_weight.weight")
+            self.copy(f"{prefix}_inject.weight", f"{hf}.block_inject_weight.weight", kind="half")
 
     def delta_net(self, blk: str, hf: str) -> None:
         hp = self.hp
