@@ -176,11 +176,13 @@ def plugins() -> None:
 
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def backends(as_json: bool) -> None:
+@click.option("--self-test", is_flag=True,
+              help="Also run each available backend's own checks (e.g. custom kernels against exact paths).")
+def backends(as_json: bool, self_test: bool) -> None:
     """Probe every installed backend and say which can run here, and why not."""
     from .inspect import backends_command
 
-    backends_command(as_json=as_json)
+    backends_command(as_json=as_json, self_test=self_test)
 
 
 @cli.command()

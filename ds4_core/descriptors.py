@@ -73,7 +73,9 @@ class BackendSpec:
 
     ``probe`` names ``probe() -> tuple[bool, str]`` (available, reason); it must be
     cheap and must not initialise a device in the calling process. ``factory`` names
-    ``create(**options) -> Backend`` (see :mod:`ds4_core.backend`).
+    ``create(**options) -> Backend`` (see :mod:`ds4_core.backend`). ``self_test`` optionally names
+    ``self_test() -> list[dict]`` (rows with ``check``, ``status`` in passed/failed/skipped, ``detail``),
+    what ``ds4 backends --self-test`` runs.
     """
 
     name: str
@@ -83,6 +85,7 @@ class BackendSpec:
     priority: int = 0
     quant_types: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
     aliases: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
+    self_test: str | None = attrs.field(default=None, validator=_ref)
     description: str = ""
 
 

@@ -126,19 +126,33 @@ def plugins_report() -> list[dict[str, Any]]:
              "error": i.error} for i in pm.infos]
 
 
-def backends_command(*, as_json: bool) -> None:
-    """Print the probe result of every backend."""
+def backends_command(*, as_json: bool, self_test: bool = False) -> None:
+    """Print the probe result of every backend, and with ``self_test`` each usable backend's own checks."""
     from .engine import probe_backends
+    from .errors import Ds4Error
 
     choices = probe_backends(get_plugin_manager().registry)
     rows = [{"name": c.spec.name, "device": c.spec.device, "priority": c.spec.priority, "available": c.usable,
              "reason": c.reason, "quant_types": list(c.spec.quant_types)} for c in choices]
+    checks = [{"backend": c.spec.name, **row} for c in choices if self_test and c.usable and c.spec.self_test
+              for row in resolve(c.spec.self_test)()]
     if as_json:
-        print(json.dumps(rows, indent=2))
-        return
-    table = Table(title="backends")
-    for col in ("name", "device", "priority", "available", "reason"):
-        table.add_column(col)
-    for r in rows:
-        table.add_row(r["name"], r["device"], str(r["priority"]), "yes" if r["available"] else "no", r["reason"])
-    stdout_console().print(table)
+        print(json.dumps({"backends": rows, "self_test": checks} if self_test else rows, indent=2))
+    else:
+        table = Table(title="backends")
+        for col in ("name", "device", "priority", "available", "reason"):
+            table.add_column(col)
+        for r in rows:
+            table.add_row(r["name"], r["device"], str(r["priority"]), "yes" if r["available"] else "no", r["reason"])
+        stdout_console().print(table)
+        if self_test:
+            tests = Table(title="self-test")
+            for col in ("backend", "check", "status", "detail"):
+                tests.add_column(col)
+            for r in checks:
+                tests.add_row(r["backend"], r["check"], r["status"], r["detail"])
+            stdout_console().print(tests)
+    failed = [f"{r['backend']}:{r['check']}" for r in checks if r["status"] == "failed"]
+    if failed:
+        raise Ds4Error(f"self-test failed for {', '.join(failed)}: those kernels stay disabled and the exact "
+                       f"paths are used; please report this output with your hardware and driver versions")

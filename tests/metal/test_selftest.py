@@ -141,14 +141,24 @@ def test_kernel_sources_ship_with_the_package():
         assert "thread_position_in_grid" in source
 
 
-def test_metal_self_test_command_reports_json():
+def test_backends_self_test_reports_each_kernel_as_json():
     from ds4_core.cli import cli
 
-    result = CliRunner().invoke(cli, ["metal-self-test", "--json"])
+    result = CliRunner().invoke(cli, ["backends", "--self-test", "--json"])
     assert result.exit_code == 0, result.output
-    rows = json.loads(result.stdout)
-    assert [r["kernel"] for r in rows] == list(kernels.KERNELS)
-    assert {r["status"] for r in rows} == {"skipped"}
+    rows = [r for r in json.loads(result.stdout)["self_test"] if r["backend"] == "metal"]
+    assert [r["check"] for r in rows] == list(kernels.KERNELS)
+    assert {r["status"] for r in rows} == {"skipped"}  # no Metal device on Linux: the MLX-op paths are used
+
+
+def test_a_failing_kernel_makes_the_self_test_command_fail(monkeypatch):
+    from ds4_backend_metal import selftest
+
+    from ds4_core.cli import cli
+
+    monkeypatch.setattr(selftest, "self_test", lambda: [{"check": "bad_kernel", "status": "failed", "detail": "x"}])
+    result = CliRunner().invoke(cli, ["backends", "--self-test"])
+    assert result.exit_code == 1 and "bad_kernel" in result.output
 
 
 def test_backend_runs_the_self_test_at_start():

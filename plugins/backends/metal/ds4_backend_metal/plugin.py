@@ -1,11 +1,9 @@
-"""Registration of the Metal (MLX) backend, its kernels and ``ds4 metal-self-test``. Imports no MLX."""
+"""Registration of the Metal (MLX) backend, its kernels and its self-test. Imports no MLX."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-
-import click
 
 from ds4_core.descriptors import BackendSpec, KernelSpec
 from ds4_core.hookspecs import hookimpl
@@ -41,6 +39,7 @@ def register_backends(register: Callable[[BackendSpec], None]) -> None:
         priority=90 if sys.platform == "darwin" else -10,
         quant_types=QUANT_TYPES,
         aliases=("mlx",),
+        self_test="ds4_backend_metal.selftest:self_test",
         description="Apple GPUs through MLX: exact MLX-quantized weights, self-tested custom Metal kernels",
     ))
 
@@ -51,17 +50,3 @@ def register_kernels(register: Callable[[KernelSpec], None]) -> None:
         for module, ops in table.items():
             for op in ops:
                 register(KernelSpec(op, "metal", f"ds4_backend_metal.{module}:{op}"))
-
-
-@click.command("metal-self-test")
-@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def metal_self_test(as_json: bool) -> None:
-    """Run the custom Metal kernels against their exact MLX-op paths (what the backend does at load)."""
-    from .selftest_command import run_self_test_command
-
-    run_self_test_command(as_json=as_json)
-
-
-@hookimpl
-def register_commands(cli: click.Group) -> None:
-    cli.add_command(metal_self_test)
