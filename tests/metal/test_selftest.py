@@ -36,6 +36,14 @@ def _delta_stale_state(q, k, v, g, beta, state):
     return o, state  # right output, but the state is never written back
 
 
+def _attention_ignoring_the_sink(q, kv, idx, sink, scale):
+    return ops.gathered_attention(q, kv, idx, None, scale)
+
+
+def _attention_wrapping_minus_one(q, kv, idx, sink, scale):
+    return ops.gathered_attention(q, kv, mx.where(idx < 0, kv.shape[0] - 1, idx), sink, scale)  # -1 as the last row
+
+
 def _raising(*args):
     raise RuntimeError("Metal compiler error: expected ';'")
 
@@ -50,8 +58,9 @@ def _call_counting(fn, calls: list):
 def test_without_metal_every_kernel_is_skipped_and_disabled():
     assert not kernels.metal_available()
     results = kernels.verify_and_enable()
-    assert {r.name for r in results} == set(kernels.KERNELS) == {"iq2_xxs_gemv", "q2_k_gemv", "sinkhorn",
-                                                                  "gated_delta_rule", "gated_delta_rule_kda"}
+    assert {r.name for r in results} == set(kernels.KERNELS) == {
+        "iq2_xxs_gemv", "q2_k_gemv", "sinkhorn", "gated_delta_rule", "gated_delta_rule_kda", "sparse_attention_gather",
+        "sparse_attention_gather_nosink"}
     assert all(r.status == "skipped" for r in results)
     assert all(kernels.active(name) is None for name in kernels.KERNELS)
 
@@ -61,7 +70,9 @@ def test_wrong_kernels_are_disabled_with_a_warning():
     with structlog.testing.capture_logs() as logged:
         results = kernels.verify_and_enable({"sinkhorn": _wrong_sinkhorn, "q2_k_gemv": wrong_gemv,
                                              "iq2_xxs_gemv": _raising, "gated_delta_rule": _delta_without_decay,
-                                             "gated_delta_rule_kda": _delta_stale_state})
+                                             "gated_delta_rule_kda": _delta_stale_state,
+                                             "sparse_attention_gather": _attention_ignoring_the_sink,
+                                             "sparse_attention_gather_nosink": _attention_wrapping_minus_one})
     status = {r.name: r for r in results}
     assert {name: r.status for name, r in status.items()} == {n: "failed" for n in kernels.KERNELS}
     assert "RuntimeError" in status["iq2_xxs_gemv"].detail
@@ -133,6 +144,52 @@ def test_a_correct_delta_kernel_serves_decode(rng, per_channel):
     beta, state = mx.array(rng.random((T, H)).astype(np.float32)), mx.zeros((H, dk, dv))
     o, _ = recurrent_ops.gated_delta_rule(q, k, v, g, beta, state)
     assert calls == [1] and o.shape == (T, H, dv)
+
+
+def _attention_args(rng, with_sinks: bool, T: int = 5):
+    """Arguments of ``ops.sparse_attention`` (sinks as a Weight) with some -1 rows, and its MLX-op result."""
+    from ds4_core.backend import Weight
+
+    H, d, N, K = 3, 40, 30, 12  # d not a multiple of 32, T not a multiple of anything
+    q = mx.array(rng.standard_normal((T, H, d)).astype(np.float32))
+    kv = mx.array(rng.standard_normal((N, d)).astype(np.float32))
+    idx = rng.integers(0, N, (T, K)).astype(np.int32)
+    idx[:, 1::3] = -1
+    sinks = Weight("sinks", "F32", (H,), mx.array(rng.standard_normal(H).astype(np.float32) + 2)) if with_sinks \
+        else None
+    want = ops.gathered_attention(q, kv, mx.array(idx), None if sinks is None else sinks.data, 0.2)
+    return (q, kv, mx.array(idx), sinks, 0.2), want
+
+
+@pytest.mark.parametrize(("name", "wrong"), [
+    ("sparse_attention_gather", _attention_ignoring_the_sink),
+    ("sparse_attention_gather", _attention_wrapping_minus_one),
+    ("sparse_attention_gather_nosink", _attention_wrapping_minus_one),
+], ids=["ignores-sink", "reads-minus-one", "nosink-reads-minus-one"])
+def test_a_wrong_attention_gather_is_disabled_and_the_op_runs_the_exact_fallback(rng, name, wrong):
+    with structlog.testing.capture_logs() as logged:
+        results = kernels.verify_and_enable({name: wrong}, [kernels.KERNELS[name]])
+    assert [(r.name, r.status) for r in results] == [(name, "failed")]
+    assert "exceeds" in results[0].detail
+    assert [e["kernel"] for e in logged if e["log_level"] == "warning"] == [name]
+    assert kernels.active(name) is None
+    args, want = _attention_args(rng, with_sinks=name == "sparse_attention_gather")
+    np.testing.assert_array_equal(np.array(ops.sparse_attention(*args)), np.array(want))
+
+
+@pytest.mark.parametrize("with_sinks", [True, False], ids=["sinks", "no-sinks"])
+def test_a_correct_attention_gather_is_enabled_and_used_by_the_op(rng, with_sinks):
+    calls: list = []
+    name = "sparse_attention_gather" if with_sinks else "sparse_attention_gather_nosink"
+    other = "sparse_attention_gather_nosink" if with_sinks else "sparse_attention_gather"
+    results = kernels.verify_and_enable({name: _call_counting(kernels.KERNELS[name].reference, calls)})
+    assert {r.name: r.status for r in results}[name] == "passed"
+    assert kernels.active(name) is not None and kernels.active(other) is None  # each variant is verified on its own
+    calls.clear()
+    args, want = _attention_args(rng, with_sinks, T=150)  # more than one query block of the MLX-op path
+    got = ops.sparse_attention(*args)
+    assert calls == [1]  # the whole op went through the enabled kernel, in one call
+    np.testing.assert_array_equal(np.array(got), np.array(want))
 
 
 def test_kernel_sources_ship_with_the_package():

@@ -147,6 +147,48 @@ def _delta_sample(per_channel: bool) -> Callable[[np.random.Generator], tuple]:
     return sample
 
 
+@functools.cache
+def _attention_kernel() -> Callable:
+    return mx.fast.metal_kernel(name="ds4_sparse_attention_gather", input_names=["q", "kv", "idx", "sinks", "scale"],
+                                output_names=["out"], source=_source("sparse_attention_gather"))
+
+
+def _attention_metal(q: mx.array, kv: mx.array, idx: mx.array, sink: mx.array | None, scale: float) -> mx.array:
+    """The custom sparse-attention gather with the signature of :func:`.ops.gathered_attention`; ``[T, H, d]``."""
+    T, H, d = q.shape
+    sinks = mx.zeros((H,), dtype=mx.float32) if sink is None else sink.astype(mx.float32)
+    (out,) = _attention_kernel()(
+        inputs=[q.astype(mx.float32), kv.astype(mx.float32), idx.astype(mx.int32), sinks,
+                mx.array([scale], dtype=mx.float32)],
+        template=[("D", d), ("SINK", sink is not None)], grid=(32, H, T), threadgroup=(32, 1, 1),
+        output_shapes=[(T, H, d)], output_dtypes=[mx.float32])
+    return out
+
+
+def _attention_reference(q: mx.array, kv: mx.array, idx: mx.array, sink: mx.array | None,
+                         scale: float) -> mx.array:
+    from .ops import gathered_attention
+
+    return gathered_attention(q, kv, idx, sink, scale)
+
+
+def _attention_sample(with_sinks: bool) -> Callable[[np.random.Generator], tuple]:
+    # DeepSeek V4: head dim 512 with per-head sinks; GLM 5.x: the 576-wide latent (512 + 64 rope), no sinks.
+    # K = 640 selected rows, about a quarter of them -1; logits spread like a trained model's (std about 3).
+    d = 512 if with_sinks else 576
+
+    def sample(rng: np.random.Generator) -> tuple:
+        T, H, N, K = 3, 4, 1024, 640
+        q = (rng.standard_normal((T, H, d)) * 3).astype(np.float32)
+        kv = rng.standard_normal((N, d)).astype(np.float32)
+        idx = np.stack([rng.permutation(N)[:K] for _ in range(T)]).astype(np.int32)
+        idx[rng.random((T, K)) < 0.25] = -1
+        idx[:, 0] = rng.integers(0, N, T)  # every query sees at least one row (none and no sink is 0/0)
+        sink = mx.array((rng.standard_normal(H) * 2 + 4).astype(np.float32)) if with_sinks else None
+        return mx.array(q), mx.array(kv), mx.array(idx), sink, d ** -0.5
+    return sample
+
+
 @attrs.frozen
 class CustomKernel:
     """A custom kernel: ``build()`` compiles it (Metal only); ``reference`` is its exact MLX-op path with the same
@@ -172,6 +214,9 @@ KERNELS: dict[str, CustomKernel] = {k.name: k for k in (
     CustomKernel("gated_delta_rule", lambda: _delta_metal, _delta_reference, _delta_sample(False)),
     CustomKernel("gated_delta_rule_kda", lambda: _delta_metal, _delta_reference, _delta_sample(True),
                  source="gated_delta_rule"),
+    CustomKernel("sparse_attention_gather", lambda: _attention_metal, _attention_reference, _attention_sample(True)),
+    CustomKernel("sparse_attention_gather_nosink", lambda: _attention_metal, _attention_reference,
+                 _attention_sample(False), source="sparse_attention_gather"),
 )}
 
 

@@ -121,33 +121,43 @@ def topk(scores: mx.array, k: int) -> mx.array:
     return mx.argsort(-scores, axis=-1)[:, :k].astype(mx.int32)
 
 
-def _attend(q: mx.array, kv: mx.array, idx: mx.array, sinks: Weight | None, scale: float) -> mx.array:
+def _attend(q: mx.array, kv: mx.array, idx: mx.array, sink: mx.array | None, scale: float) -> mx.array:
     rows = kv[mx.maximum(idx, 0)]  # [T, K, d]
     logits = mx.einsum("thd,tkd->thk", q, rows) * scale
     logits = mx.where((idx >= 0)[:, None, :], logits, -mx.inf)
     peak = logits.max(axis=-1, keepdims=True)
-    if sinks is not None:
-        sink = sinks.data.astype(F32)[None, :, None]
+    if sink is not None:
+        sink = sink[None, :, None]
         peak = mx.maximum(peak, sink)
     else:
         peak = mx.where(mx.isinf(peak), 0, peak)
     p = mx.exp(logits - peak)
     denom = p.sum(axis=-1, keepdims=True)
-    if sinks is not None:
+    if sink is not None:
         denom = denom + mx.exp(sink - peak)
     return mx.einsum("thk,tkd->thd", p / denom, rows)
+
+
+def gathered_attention(q: mx.array, kv: mx.array, idx: mx.array, sink: mx.array | None, scale: float) -> mx.array:
+    """The MLX-op path of :func:`sparse_attention`, with the sinks as a float32 ``[H]`` array (or ``None``).
+
+    Shapes as there; also the reference the ``sparse_attention_gather`` kernels are checked against.
+    """
+    parts = [_attend(q[s:s + _QUERY_BLOCK], kv, idx[s:s + _QUERY_BLOCK], sink, scale)
+             for s in range(0, q.shape[0], _QUERY_BLOCK)]
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
 
 def sparse_attention(q: mx.array, kv: mx.array, idx: mx.array, sinks: Weight | None, scale: float) -> mx.array:
     """Each query ``q [T, H, d]`` over its rows ``idx [T, K]`` (``-1`` = none) of a K=V table ``kv [N, d]``.
 
     Returns ``[T, H, d]``. ``sinks [H]`` (or ``None``) join each softmax denominator without a value; scores are
-    ``(q·k) · scale``.
+    ``(q·k) · scale``. Runs the custom gather kernel when it passed its self-test, else the MLX ops.
     """
     q, kv = q.astype(F32), kv.astype(F32)
-    parts = [_attend(q[s:s + _QUERY_BLOCK], kv, idx[s:s + _QUERY_BLOCK], sinks, scale)
-             for s in range(0, q.shape[0], _QUERY_BLOCK)]
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+    sink = None if sinks is None else sinks.data.astype(F32)
+    custom = kernels.active("sparse_attention_gather" if sink is not None else "sparse_attention_gather_nosink")
+    return (custom or gathered_attention)(q, kv, idx, sink, scale)
 
 
 def indexer_scores(q: mx.array, keys: mx.array, head_weights: mx.array, scale: float) -> mx.array:
