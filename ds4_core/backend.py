@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from .errors import BackendError, GGUFTensorError
+from .errors import BackendError
 
 
 @attrs.frozen(eq=False)
@@ -127,9 +127,3 @@ class WeightLoader:
             out = dequantize(self.gguf.tensor_bytes(name), info.qtype, tuple(info.shape)).astype(dtype)
         self._progress(info.nbytes)
         return out
-
-
-def expect(cond: bool, message: str) -> None:
-    """Raise :class:`GGUFTensorError` with ``message`` unless ``cond``."""
-    if not cond:
-        raise GGUFTensorError(message)

@@ -18,7 +18,6 @@ import os
 import sys
 from collections.abc import Callable, Iterable
 from importlib import metadata
-from types import ModuleType
 from typing import Any
 
 import attrs
@@ -235,8 +234,3 @@ def get_plugin_manager() -> PluginManager:
     if _default is None:
         _default = PluginManager()
     return _default
-
-
-def module_plugin(name: str) -> ModuleType:
-    """Import a plugin module by name (for tests and explicit ``plugins=`` lists)."""
-    return importlib.import_module(name)
