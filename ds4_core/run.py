@@ -20,9 +20,8 @@ def run_command(path: Path, *, prompt: str | None, max_tokens: int, temp: float,
     """Load ``path`` and generate; without ``prompt``, chat turn by turn on stdin."""
     engine = Engine.load(path, backend=backend, ctx=ctx, progress=sys.stderr.isatty(), **options)
     if default_model:
-        name = str(engine.gguf.metadata.get("general.name") or engine.spec.name)
-        noise = " — its weights are random, so the text is noise" if "random" in name.lower() else ""
-        click.echo(f"[embedded tiny model {name}{noise}; pass -m FILE.gguf for a real one]", err=True)
+        click.echo(f"[embedded tiny {engine.spec.name} model {path.name}, a demo trained on Python's standard "
+                   f"library; pass -m FILE.gguf for a real model]", err=True)
     params = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     if raw or engine.chat_format is None:
         if prompt is None:

@@ -95,9 +95,11 @@ def lr_at(step: int, total: int) -> float:
 
 
 def train(family: Family, data: Path, out: Path, steps: int | None, minutes: float, seed: int, device: str,
-          batch: int = BATCH, save_dtype: torch.dtype = torch.float32) -> dict:
+          batch: int = BATCH, save_dtype: torch.dtype = torch.float32, seq_len: int = SEQ_LEN,
+          eval_every: int = EVAL_EVERY, final_windows: int | None = None) -> dict:
     """Train, evaluate and save; return the log written to ``loss.json``. Without ``steps``, training stops at
-    the latest after 1.15 x ``minutes`` even if the calibrated step count was too optimistic."""
+    the latest after 1.15 x ``minutes`` even if the calibrated step count was too optimistic. The final held-out
+    loss covers every held-out file, or its first ``final_windows`` windows (a CPU run cannot afford them all)."""
     data = data / family.name
     corpus = json.loads((data / "corpus.json").read_text())
     with np.load(data / "tokens.npz") as tokens:
@@ -110,8 +112,8 @@ def train(family: Family, data: Path, out: Path, steps: int | None, minutes: flo
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=PEAK_LR, betas=(0.9, 0.95), fused=device == "cuda")
     rng = np.random.default_rng(seed)
-    eval_windows = heldout_windows(held_stream, SEQ_LEN, EVAL_WINDOWS)
-    log: dict = {"family": family.name, "seed": seed, "seq_len": SEQ_LEN, "batch": batch, "peak_lr": PEAK_LR,
+    eval_windows = heldout_windows(held_stream, seq_len, EVAL_WINDOWS)
+    log: dict = {"family": family.name, "seed": seed, "seq_len": seq_len, "batch": batch, "peak_lr": PEAK_LR,
                  "train_loss": [], "heldout_loss": [], "parameters": sum(p.numel() for p in model.parameters())}
     total = steps or 10**9
     t0 = time.time()
@@ -128,7 +130,7 @@ def train(family: Family, data: Path, out: Path, steps: int | None, minutes: flo
             break
         for group in opt.param_groups:
             group["lr"] = lr_at(step, total)
-        w = batches(train_stream, batch, SEQ_LEN, rng).to(device)
+        w = batches(train_stream, batch, seq_len, rng).to(device)
         with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=device == "cuda"):
             logits, aux = family.forward(model, w[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), w[:, 1:].flatten())
@@ -138,7 +140,7 @@ def train(family: Family, data: Path, out: Path, steps: int | None, minutes: flo
         opt.step()
         balancer.step()
         log["train_loss"].append(round(loss.item(), 4))
-        if step % EVAL_EVERY == 0 or step == total - 1:
+        if step % eval_every == 0 or step == total - 1:
             held = mean_loss(family, model, eval_windows, device)
             log["heldout_loss"].append([step, round(held, 4)])
             print(f"step {step}/{total} train {loss.item():.3f} heldout {held:.3f} "
@@ -146,8 +148,10 @@ def train(family: Family, data: Path, out: Path, steps: int | None, minutes: flo
         step += 1
     log["steps"] = total
     log["train_seconds"] = round(time.time() - t0, 1)
-    log["tokens_seen"] = total * batch * SEQ_LEN
-    log["final_heldout_loss"] = round(mean_loss(family, model, heldout_windows(held_stream, SEQ_LEN), device), 4)
+    log["tokens_seen"] = total * batch * seq_len
+    final = heldout_windows(held_stream, seq_len, final_windows)
+    log["final_heldout_windows"] = len(final)
+    log["final_heldout_loss"] = round(mean_loss(family, model, final, device), 4)
     print(f"final held-out loss {log['final_heldout_loss']:.4f} nats/token", flush=True)
     model.to("cpu", save_dtype).save_pretrained(out / "model")
     for name in ("tokenizer.json", "tokenizer_config.json", "corpus.json"):
@@ -169,7 +173,7 @@ def plot(family: Family, log: dict, vocab_size: int, path: Path) -> None:
     ax.plot(loss, color="tab:blue", alpha=0.25, lw=0.8, label="training loss (per step)")
     ax.plot(np.arange(24, 24 + smooth.size), smooth, color="tab:blue", label="training loss (25-step mean)")
     held = np.asarray(log["heldout_loss"])
-    ax.plot(held[:, 0], held[:, 1], "o-", color="tab:orange", ms=3, label="held-out loss (64 windows)")
+    ax.plot(held[:, 0], held[:, 1], "o-", color="tab:orange", ms=3, label=f"held-out loss ({EVAL_WINDOWS} windows)")
     ax.axhline(math.log(vocab_size), color="gray", ls="--", lw=0.8, label=f"uniform baseline ln({vocab_size})")
     ax.set_xlabel(f"step (batch {log['batch']} x {log['seq_len']} tokens)")
     ax.set_ylabel("cross-entropy (nats/token)")
@@ -189,15 +193,21 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=3.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch", type=int, default=BATCH, help="windows per step")
+    parser.add_argument("--seq-len", type=int, default=SEQ_LEN, help="tokens per training window")
+    parser.add_argument("--eval-every", type=int, default=EVAL_EVERY, help="steps between held-out evaluations")
+    parser.add_argument("--final-windows", type=int, help="score only the first N held-out windows at the end")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (CPU runs side by side: 1 each)")
     parser.add_argument("--save-dtype", choices=("float32", "float16"), default="float32",
                         help="dtype of the saved floating-point weights (float16 halves the transfer)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.backends.cuda.matmul.allow_tf32 = True
     args.out.mkdir(parents=True, exist_ok=True)
     family = FAMILIES[args.family]
     log = train(family, args.data, args.out, args.steps, args.minutes, args.seed, device, args.batch,
-                getattr(torch, args.save_dtype))
+                getattr(torch, args.save_dtype), args.seq_len, args.eval_every, args.final_windows)
     plot(family, log, json.loads((args.data / family.name / "corpus.json").read_text())["vocab_size"],
          args.out / "loss.png")
 
