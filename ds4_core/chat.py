@@ -91,3 +91,45 @@ class ChatFormat(Protocol):
 
     def parser(self, *, thinking: Thinking = "none", tools: bool = False) -> StreamParser:
         """A fresh parser for one reply rendered with the same ``thinking`` setting."""
+
+
+class ReplyParser:
+    """Splits a streamed reply into reasoning, then content or tool-call events.
+
+    With ``thinking`` on, the prompt ended inside the reasoning block, so the reply is reasoning until the
+    first ``think_close``; a ``tool_parser`` (the family's tool-call :class:`StreamParser`) then receives the
+    rest, else it is plain content. Tool-call markup inside reasoning stays reasoning.
+    """
+
+    def __init__(self, *, thinking: Thinking = "none", tool_parser: StreamParser | None = None,
+                 think_close: str = "</think>") -> None:
+        self._in_reasoning = thinking != "none"
+        self._close = think_close
+        self._held = ""  # a possible start of the closing tag
+        self._tool_parser = tool_parser
+
+    def feed(self, text: str) -> list[StreamEvent]:
+        """Consume more decoded text; return the events it completes."""
+        events: list[StreamEvent] = []
+        if self._in_reasoning:
+            text, self._held = self._held + text, ""
+            end = text.find(self._close)
+            if end < 0:
+                close = self._close
+                held = next((n for n in range(len(close) - 1, 0, -1) if text.endswith(close[:n])), 0)
+                text, self._held = text[:len(text) - held], text[len(text) - held:]
+                return [ReasoningDelta(text)] if text else []
+            if end:
+                events.append(ReasoningDelta(text[:end]))
+            self._in_reasoning, text = False, text[end + len(self._close):]
+        if self._tool_parser is not None:
+            return events + self._tool_parser.feed(text)
+        return events + ([ContentDelta(text)] if text else [])
+
+    def finish(self) -> list[StreamEvent]:
+        """Flush held text; an unfinished tool call becomes content."""
+        events: list[StreamEvent] = [ReasoningDelta(self._held)] if self._held else []
+        self._held = ""
+        if self._tool_parser is not None:
+            events += self._tool_parser.finish()
+        return events

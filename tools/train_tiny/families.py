@@ -35,33 +35,33 @@ DEEPSEEK4_CONFIG: dict[str, Any] = {
 }
 
 _KDA, _MLA = "linear_attention", "indexed_attention"
-#: GLM 5.3 Flash: KDA K K K + NoPE MLA with the pooled indexer (8 heads, 4-token pools, top-64 = 16 pools), one
-#: dense FFN layer then group-limited sigmoid MoE, 4 hyper-connection streams.
+#: GLM 5.3 Flash, sized for a CPU run (~3M parameters): KDA + NoPE MLA with the pooled indexer (8 heads, 4-token
+#: pools, top-64 = 16 pools), one dense FFN layer then group-limited sigmoid MoE, 4 hyper-connection streams.
 GLM53_TEXT_CONFIG: dict[str, Any] = {
-    "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128, "num_hidden_layers": 6,
-    "layer_types": [_KDA, _KDA, _MLA, _KDA, _KDA, _MLA],
-    "mlp_layer_types": ["dense", "sparse", "sparse", "sparse", "sparse", "sparse"],
-    "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 128, "kv_lora_rank": 128,
-    "qk_rope_head_dim": 0, "qk_nope_head_dim": 64, "v_head_dim": 64, "n_routed_experts": 8,
+    "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64, "num_hidden_layers": 4,
+    "layer_types": [_KDA, _MLA, _KDA, _MLA], "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
+    "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 64,
+    "qk_rope_head_dim": 0, "qk_nope_head_dim": 32, "v_head_dim": 32, "n_routed_experts": 8,
     "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5,
     "index_topk": 64, "index_head_dim": 32, "index_n_heads": 8, "index_kpool": 4, "linear_num_heads": 4,
-    "linear_head_dim": 64, "linear_conv_kernel_dim": 4, "hc_mult": 4, "hc_sinkhorn_iters": 20,
+    "linear_head_dim": 32, "linear_conv_kernel_dim": 4, "hc_mult": 4, "hc_sinkhorn_iters": 20,
     "swiglu_limit": 10.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "tie_word_embeddings": False,
     "bos_token_id": 2, "eos_token_id": 0, "pad_token_id": 0,
 }
 #: The composite model needs a vision tower; the converter skips it (and it is never run).
 GLM53_VISION_CONFIG: dict[str, Any] = {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 32,
-                                       "out_hidden_size": 256, "projection_intermediate_size": 32}
+                                       "out_hidden_size": 128, "projection_intermediate_size": 32}
 
 _GDN, _QSA = "linear_attention", "indexed_attention"
-#: Qwen3.8 Flash Next: gated delta-net G G + gated QSA attention (8 index heads, blocks of 4, budget 64), softmax
-#: MoE with a shared expert, 4 hyper-connection streams, hashed 2/3-gram PLE on layers 2 and 5 (one-indexed).
+#: Qwen3.8 Flash Next, sized for a CPU run (~3M parameters): gated delta-net + gated QSA attention (8 index heads,
+#: blocks of 4, budget 64), softmax MoE with a shared expert, 4 hyper-connection streams, hashed 2/3-gram PLE on
+#: layers 1 and 3 (one-indexed).
 QWEN38_CONFIG: dict[str, Any] = {
-    "hidden_size": 256, "num_hidden_layers": 6, "layer_types": [_GDN, _GDN, _QSA, _GDN, _GDN, _QSA],
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4,
-    "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 96, "shared_expert_intermediate_size": 128,
-    "hc_count": 4, "hc_lowrank": 32, "ple_layer_ids": [2, 5], "ple_embed_dim": 128, "heads_per_ngram": 2,
+    "hidden_size": 128, "num_hidden_layers": 4, "layer_types": [_GDN, _QSA, _GDN, _QSA],
+    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4,
+    "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
+    "hc_count": 4, "hc_lowrank": 32, "ple_layer_ids": [1, 3], "ple_embed_dim": 64, "heads_per_ngram": 2,
     "ngram_size": 3, "ngram_vocab_size_base": 4096, "make_ngram_vocab_size_divisible_by": 32,
     "ple_conv_kernel_size": 4, "split_ngram_parts": 4, "indexer_n_heads": 8, "indexer_kv_heads": 1,
     "indexer_head_dim": 32, "indexer_budget": 64, "indexer_compress_ratio": 4, "output_gate_type": "sigmoid",

@@ -12,7 +12,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ds4_core.chat import ContentDelta, ReasoningDelta, StreamEvent, Thinking
+from ds4_core.chat import ReplyParser, Thinking
 from ds4_core.errors import TemplateError
 
 from .toolcall import ToolCallStreamParser, render_tool_call, string_parameters
@@ -144,46 +144,8 @@ class GlmChat:
         return "".join(parts)
 
     def parser(self, *, thinking: Thinking = "none", tools: bool = False,
-               tool_schemas: Sequence[Mapping[str, Any]] | None = None) -> GlmReplyParser:
+               tool_schemas: Sequence[Mapping[str, Any]] | None = None) -> ReplyParser:
         """A fresh parser for one reply rendered with this ``thinking`` setting. ``tool_schemas`` (optional) are
         the tool definitions: parameters they type as strings are never JSON-decoded."""
-        return GlmReplyParser(thinking=thinking, tools=tools or bool(tool_schemas), tool_schemas=tool_schemas)
-
-
-class GlmReplyParser:
-    """Streams a reply into reasoning, content and (with ``tools``) tool-call events.
-
-    With thinking on, the prompt ended with ``<think>``, so the reply is reasoning until the first ``</think>``;
-    tool-call markup inside reasoning is plain reasoning text.
-    """
-
-    def __init__(self, *, thinking: Thinking = "none", tools: bool = False,
-                 tool_schemas: Sequence[Mapping[str, Any]] | None = None) -> None:
-        self._in_reasoning = thinking != "none"
-        self._held = ""  # a possible start of </think>
-        self._tool_parser = ToolCallStreamParser(string_parameters(tool_schemas)) if tools else None
-
-    def feed(self, text: str) -> list[StreamEvent]:
-        """Consume more decoded text; return the events it completes."""
-        events: list[StreamEvent] = []
-        if self._in_reasoning:
-            text, self._held = self._held + text, ""
-            end = text.find(THINK_CLOSE)
-            if end < 0:
-                held = next((n for n in range(len(THINK_CLOSE) - 1, 0, -1) if text.endswith(THINK_CLOSE[:n])), 0)
-                text, self._held = text[:len(text) - held], text[len(text) - held:]
-                return [ReasoningDelta(text)] if text else []
-            if end:
-                events.append(ReasoningDelta(text[:end]))
-            self._in_reasoning, text = False, text[end + len(THINK_CLOSE):]
-        if self._tool_parser is not None:
-            return events + self._tool_parser.feed(text)
-        return events + ([ContentDelta(text)] if text else [])
-
-    def finish(self) -> list[StreamEvent]:
-        """Flush held text; an unfinished tool call becomes content."""
-        events: list[StreamEvent] = [ReasoningDelta(self._held)] if self._held else []
-        self._held = ""
-        if self._tool_parser is not None:
-            events += self._tool_parser.finish()
-        return events
+        tool_parser = ToolCallStreamParser(string_parameters(tool_schemas)) if tools or tool_schemas else None
+        return ReplyParser(thinking=thinking, tool_parser=tool_parser, think_close=THINK_CLOSE)
