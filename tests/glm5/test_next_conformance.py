@@ -12,39 +12,12 @@ from next_conftest_helpers import next_converted, tiny_next_hf  # noqa: F401 - f
 
 torch = pytest.importorskip("torch")
 
+from ds4_core.testing.conformance import assert_logits_match, engine_chunked_logits, transformers_cached_logits  # noqa: E402
+
 # Tokens per config: several times index_topk, so the pooled indexer really selects (and the open pool varies).
 SEQUENCE_LENGTHS = {"mixed": 44, "shared": 40, "kda_heavy": 56}
 CHUNKS = (1, 7, 3, 17, 2, 5, 1, 11, 4)  # 17 > the KDA prefill block of 16
 RELATIVE_TOLERANCE = 1e-3
-
-
-def transformers_cached_logits(model, ids: np.ndarray) -> np.ndarray:
-    """[T, vocab] logits of ``model`` decoding ``ids`` one token per forward call with its cache."""
-    rows, past = [], None
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: thread start-up would cost more than the work
-    try:
-        with torch.no_grad():
-            for token in ids:
-                out = model(input_ids=torch.tensor([[int(token)]]), past_key_values=past, use_cache=True)
-                past = out.past_key_values
-                rows.append(out.logits[0, -1].float().numpy())
-    finally:
-        torch.set_num_threads(threads)
-    return np.stack(rows)
-
-
-def engine_chunked_logits(path, ids: np.ndarray) -> np.ndarray:
-    """[T, vocab] logits of the numpy engine fed ``ids`` in the uneven :data:`CHUNKS`."""
-    from ds4_core.engine import Engine
-
-    session = Engine.load(path, backend="numpy").new_session()
-    parts, start, i = [], 0, 0
-    while start < len(ids):
-        stop = min(start + CHUNKS[i % len(CHUNKS)], len(ids))
-        parts.append(np.asarray(session.feed(ids[start:stop]), dtype=np.float32))
-        start, i = stop, i + 1
-    return np.concatenate(parts)
 
 
 @pytest.mark.parametrize("name", sorted(SEQUENCE_LENGTHS))
@@ -54,10 +27,6 @@ def test_engine_matches_transformers_cached_decode(name, tiny_next_hf, next_conv
     ids = np.random.default_rng(300 + length).integers(0, model.config.text_config.vocab_size, length)
 
     expected = transformers_cached_logits(model, ids)
-    got = engine_chunked_logits(next_converted(name, "f32"), ids)
+    got = engine_chunked_logits(next_converted(name, "f32"), ids, CHUNKS)
 
-    assert got.shape == expected.shape
-    scale = np.abs(expected).max()
-    error = np.abs(got - expected).max() / scale
-    print(f"{name}: max |logit| {scale:.3f}, max relative error {error:.2e}")
-    assert error <= RELATIVE_TOLERANCE, f"worst position {int(np.abs(got - expected).max(axis=1).argmax())}"
+    assert_logits_match(got, expected, RELATIVE_TOLERANCE, name)

@@ -11,6 +11,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from ds4_core.testing.conformance import feed_in_chunks, transformers_cached_logits  # noqa: E402
+
 # Long enough for many more complete QSA blocks than the budget keeps; several end-of-sequence ids inside.
 SEQUENCE_LENGTH = 48
 EOS_POSITIONS = (4, 5, 19, 33)
@@ -22,31 +24,6 @@ def prompt(model) -> np.ndarray:
     ids = np.random.default_rng(7).integers(1, model.config.vocab_size, SEQUENCE_LENGTH)
     ids[list(EOS_POSITIONS)] = model.config.eos_token_id
     return ids
-
-
-def transformers_cached_logits(model, ids: np.ndarray) -> np.ndarray:
-    """[T, vocab] logits of ``model`` decoding ``ids`` one token per forward call with its cache."""
-    rows, past = [], None
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: thread start-up costs more than the work
-    try:
-        with torch.no_grad():
-            for token in ids:
-                out = model(input_ids=torch.tensor([[int(token)]]), past_key_values=past, use_cache=True)
-                past = out.past_key_values
-                rows.append(out.logits[0, -1].float().numpy())
-    finally:
-        torch.set_num_threads(threads)
-    return np.stack(rows)
-
-
-def feed_in_chunks(session, ids: np.ndarray, chunks=CHUNKS) -> np.ndarray:
-    parts, start, i = [], 0, 0
-    while start < len(ids):
-        stop = min(start + chunks[i % len(chunks)], len(ids))
-        parts.append(np.asarray(session.feed(ids[start:stop]), dtype=np.float32))
-        start, i = stop, i + 1
-    return np.concatenate(parts)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +47,7 @@ def test_engine_matches_transformers_cached_decode(name, tiny_hf, engines):
     _, model = tiny_hf(name)
     ids = prompt(model)
     expected = transformers_cached_logits(model, ids)
-    got = feed_in_chunks(engines(name).new_session(), ids)
+    got = feed_in_chunks(engines(name).new_session(), ids, CHUNKS)
 
     assert got.shape == expected.shape
     scale = np.abs(expected).max()
@@ -83,12 +60,12 @@ def test_block_selection_is_exercised(tiny_hf, engines):
     """Dense attention (a budget covering every block) gives clearly different logits: selection matters here."""
     engine = engines("a")
     ids = prompt(tiny_hf("a")[1])
-    sparse = feed_in_chunks(engine.new_session(), ids)
+    sparse = feed_in_chunks(engine.new_session(), ids, CHUNKS)
     for block in engine.model.blocks:
         if hasattr(block.mixer, "block_topk"):
             block.mixer.block_topk, saved = SEQUENCE_LENGTH, block.mixer.block_topk
     try:
-        dense = feed_in_chunks(engine.new_session(), ids)
+        dense = feed_in_chunks(engine.new_session(), ids, CHUNKS)
     finally:
         for block in engine.model.blocks:
             if hasattr(block.mixer, "block_topk"):
