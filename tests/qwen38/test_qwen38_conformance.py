@@ -11,7 +11,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ds4_core.testing.conformance import feed_in_chunks, transformers_cached_logits  # noqa: E402
+from ds4_core.testing.conformance import (  # noqa: E402
+    assert_logits_match,
+    feed_in_chunks,
+    transformers_cached_logits,
+)
 
 # Long enough for many more complete QSA blocks than the budget keeps; several end-of-sequence ids inside.
 SEQUENCE_LENGTH = 48
@@ -48,12 +52,7 @@ def test_engine_matches_transformers_cached_decode(name, tiny_hf, engines):
     ids = prompt(model)
     expected = transformers_cached_logits(model, ids)
     got = feed_in_chunks(engines(name).new_session(), ids, CHUNKS)
-
-    assert got.shape == expected.shape
-    scale = np.abs(expected).max()
-    error = np.abs(got - expected).max() / scale
-    print(f"{name}: max |logit| {scale:.3f}, max relative error {error:.2e}")
-    assert error <= RELATIVE_TOLERANCE, f"worst position {int(np.abs(got - expected).max(axis=1).argmax())}"
+    assert_logits_match(got, expected, RELATIVE_TOLERANCE, name)
 
 
 def test_block_selection_is_exercised(tiny_hf, engines):
