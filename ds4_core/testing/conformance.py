@@ -70,3 +70,34 @@ def assert_logits_match(got: np.ndarray, expected: np.ndarray, tolerance: float 
     worst = int(np.abs(got - expected).max(axis=1).argmax())
     assert error <= tolerance, f"{label}: relative error {error:.2e} > {tolerance:g}, worst position {worst}"
     return error
+
+
+def built_once(tmp_path_factory: Any, build: Any, configs: dict[str, dict], *, prefix: str = "hf",
+               seed_offset: int = 1) -> Any:
+    """``get(name) -> (directory, model)``: ``build(directory, configs[name], seed=...)`` run once per name.
+
+    For a session fixture over a family's tiny Hugging Face configs; seeds follow first use.
+    """
+    built: dict[str, tuple[Path, Any]] = {}
+
+    def get(name: str) -> tuple[Path, Any]:
+        if name not in built:
+            directory = tmp_path_factory.mktemp(f"{prefix}-{name}")
+            built[name] = (directory, build(directory, configs[name], seed=len(built) + seed_offset))
+        return built[name]
+
+    return get
+
+
+def converted_once(tmp_path_factory: Any, source: Any, convert: Any, *, prefix: str = "gguf") -> Any:
+    """``get(name, outtype) -> path``: ``convert(source(name)[0], path, outtype)`` run once per pair."""
+    paths: dict[tuple[str, str], Path] = {}
+
+    def get(name: str, outtype: str) -> Path:
+        if (name, outtype) not in paths:
+            out = tmp_path_factory.mktemp(f"{prefix}-{name}") / f"{name}-{outtype}.gguf"
+            convert(source(name)[0], out, outtype)
+            paths[name, outtype] = out
+        return paths[name, outtype]
+
+    return get

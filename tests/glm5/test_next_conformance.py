@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from next_conftest_helpers import next_converted, tiny_next_hf  # noqa: F401 - fixtures
 
 torch = pytest.importorskip("torch")
 
@@ -21,7 +20,7 @@ RELATIVE_TOLERANCE = 1e-3
 
 
 @pytest.mark.parametrize("name", sorted(SEQUENCE_LENGTHS))
-def test_engine_matches_transformers_cached_decode(name, tiny_next_hf, next_converted):  # noqa: F811
+def test_engine_matches_transformers_cached_decode(name, tiny_next_hf, next_converted):
     _, model = tiny_next_hf(name)
     length = SEQUENCE_LENGTHS[name]
     ids = np.random.default_rng(300 + length).integers(0, model.config.text_config.vocab_size, length)

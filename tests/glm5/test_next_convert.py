@@ -8,7 +8,6 @@ import shutil
 import numpy as np
 import pytest
 from ds4_model_glm5.next_convert import convert
-from next_conftest_helpers import next_converted, tiny_next_hf  # noqa: F401 - fixtures
 
 from ds4_core.engine import Engine
 from ds4_core.errors import ConversionError
@@ -29,7 +28,7 @@ def checkpoint(directory) -> dict[str, np.ndarray]:
     return safetensors_numpy.load_file(directory / "model.safetensors")
 
 
-def test_tensors_follow_the_ds4_layout(tiny_next_hf, next_converted):  # noqa: F811
+def test_tensors_follow_the_ds4_layout(tiny_next_hf, next_converted):
     directory, model = tiny_next_hf("mixed")
     text = model.config.text_config
     ck, out = checkpoint(directory), gguf_arrays(next_converted("mixed", "f32"))
@@ -50,7 +49,7 @@ def test_tensors_follow_the_ds4_layout(tiny_next_hf, next_converted):  # noqa: F
         assert list(g.metadata["glm5-next.layer_types"]) == [0, 0, 0, 1, 0, 1]
 
 
-def test_runtime_module_layout_converts_identically(tiny_next_hf, next_converted, tmp_path):  # noqa: F811
+def test_runtime_module_layout_converts_identically(tiny_next_hf, next_converted, tmp_path):
     """transformers' in-memory names (merged conv1d, forget_gate.*, attn_hc.*, stacked experts) give the same file."""
     directory, model = tiny_next_hf("mixed")
     src = tmp_path / "runtime"
@@ -65,7 +64,7 @@ def test_runtime_module_layout_converts_identically(tiny_next_hf, next_converted
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
-def test_mtp_block_is_converted_and_loaded_but_not_run(tiny_next_hf, next_converted, tmp_path):  # noqa: F811
+def test_mtp_block_is_converted_and_loaded_but_not_run(tiny_next_hf, next_converted, tmp_path):
     directory, model = tiny_next_hf("mixed")
     ck = checkpoint(directory)
     L, D = model.config.text_config.num_hidden_layers, model.config.text_config.hidden_size
@@ -94,7 +93,7 @@ def test_mtp_block_is_converted_and_loaded_but_not_run(tiny_next_hf, next_conver
     np.testing.assert_array_equal(engine.new_session().feed(ids), without)
 
 
-def test_q8_0_recipe_types_and_values(next_converted):  # noqa: F811
+def test_q8_0_recipe_types_and_values(next_converted):
     """q8_0: Q8_0 matrices within half a quantization step (plus the rounding of the block's F16 scale), F16 small
     matrices, F32 norms, biases, convs and router."""
     f32, q8 = next_converted("mixed", "f32"), next_converted("mixed", "q8_0")
@@ -119,7 +118,7 @@ def test_q8_0_recipe_types_and_values(next_converted):  # noqa: F811
             np.testing.assert_allclose(got[name], ref, rtol=1e-3 if half else 0, atol=1e-6 if half else 0, err_msg=name)
 
 
-def test_incomplete_or_foreign_checkpoints_are_refused(tiny_next_hf, tmp_path):  # noqa: F811
+def test_incomplete_or_foreign_checkpoints_are_refused(tiny_next_hf, tmp_path):
     directory, _ = tiny_next_hf("mixed")
     ck = checkpoint(directory)
     src = tmp_path / "broken"

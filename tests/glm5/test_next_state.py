@@ -8,7 +8,6 @@ import pytest
 from ds4_model_glm5.next_config import ARCH, Glm5NextConfig
 from ds4_model_glm5.next_model import Attention
 from ds4_model_glm5.next_state import KdaState
-from next_conftest_helpers import next_converted, tiny_next_hf  # noqa: F401 - fixtures
 
 from ds4_core.engine import Engine
 from ds4_core.errors import ContextError, ModelConfigError
@@ -38,7 +37,7 @@ def test_core_chunked_delta_rule_equals_recurrence_with_kda_decays(T):
 
 
 @pytest.fixture(scope="module")
-def mixed_engine(next_converted):  # noqa: F811
+def mixed_engine(next_converted):
     return Engine.load(next_converted("mixed", "f32"), backend="numpy", ctx=64)
 
 
@@ -104,7 +103,7 @@ def test_pooled_indexer_reads_chosen_pools_and_the_open_pool(mixed_engine):
             assert len(row) == cfg.index_topk + P - 1
 
 
-def test_context_overflow_is_a_clear_error(next_converted):  # noqa: F811
+def test_context_overflow_is_a_clear_error(next_converted):
     session = Engine.load(next_converted("mixed", "f32"), backend="numpy", ctx=8).new_session()
     session.feed([1, 2, 3])
     with pytest.raises(ContextError, match="context"):

@@ -29,7 +29,7 @@ def rng() -> np.random.Generator:
 
 
 # One tiny model per family, built with transformers (random weights) and converted to an f32 GGUF, as in
-# tests/glm5/conftest.py, tests/glm5/next_conftest_helpers.py and tests/qwen38/conftest.py. Configs keep
+# tests/glm5/conftest.py and tests/qwen38/conftest.py. Configs keep
 # each family's sparse selection active within a few dozen tokens.
 FAMILIES: dict[str, tuple[str, str, dict]] = {
     # GLM 5.2: layers F F S F, index_topk 5, 8 experts in 2 groups

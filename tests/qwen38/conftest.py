@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 
+from ds4_core.testing.conformance import built_once, converted_once
+
 LINEAR, ATTENTION = "linear_attention", "indexed_attention"
 
 # Overrides of ds4_model_qwen38.tiny.TINY_CONFIG. Between them: PLE on several layers (two tables, primes continuing
@@ -30,15 +32,7 @@ def tiny_hf(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[P
     pytest.importorskip("transformers")
     from ds4_model_qwen38.tiny import build_tiny_hf
 
-    built: dict[str, tuple[Path, Any]] = {}
-
-    def get(name: str) -> tuple[Path, Any]:
-        if name not in built:
-            directory = tmp_path_factory.mktemp(f"hf-{name}")
-            built[name] = (directory, build_tiny_hf(directory, MODEL_CONFIGS[name], seed=len(built) + 1))
-        return built[name]
-
-    return get
+    return built_once(tmp_path_factory, build_tiny_hf, MODEL_CONFIGS, prefix="hf", seed_offset=1)
 
 
 @pytest.fixture(scope="session")
@@ -47,13 +41,4 @@ def converted(tiny_hf: Callable[[str], tuple[Path, Any]],
     """``converted(name, outtype) -> path`` of the GGUF converted from ``tiny_hf(name)``."""
     from ds4_model_qwen38.convert import convert
 
-    paths: dict[tuple[str, str], Path] = {}
-
-    def get(name: str, outtype: str) -> Path:
-        if (name, outtype) not in paths:
-            out = tmp_path_factory.mktemp(f"gguf-{name}") / f"{name}-{outtype}.gguf"
-            convert(tiny_hf(name)[0], out, outtype)
-            paths[name, outtype] = out
-        return paths[name, outtype]
-
-    return get
+    return converted_once(tmp_path_factory, tiny_hf, convert, prefix="gguf")

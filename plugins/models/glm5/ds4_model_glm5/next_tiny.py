@@ -99,3 +99,9 @@ def build_tiny_hf(directory: str | Path, text_overrides: Mapping[str, Any] | Non
     model.save_pretrained(directory)
     write_tokenizer_files(directory, train_tiny_tokenizer(text["vocab_size"]).to_str())
     return model
+
+
+def trained_model(cache_dir: str | Path | None = None) -> Path:
+    """The shipped tiny GLM 5.3 Flash trained on Python's standard library (``ds4 run -m tiny:glm53``; see its card
+    ``data/tiny-glm53.md``). ``cache_dir`` is unused: the file ships with the package."""
+    return Path(__file__).parent / "data" / "tiny-glm53.gguf"

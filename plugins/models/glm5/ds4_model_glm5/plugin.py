@@ -41,6 +41,7 @@ def register_models(register: Callable[[ModelSpec], None]) -> None:
         hf_architectures=("Glm5NextForConditionalGeneration", "glm5_next"),
         converter="ds4_model_glm5.next_convert:convert",
         ops=NEXT_GRAPH_OPS,
+        tiny="ds4_model_glm5.next_tiny:trained_model",
         description="GLM-5.3 Flash (KDA + NoPE MLA with a pooled indexer, hyper-connections, clamped MoE)",
     ))
 

@@ -24,6 +24,7 @@ def register_models(register: Callable[[ModelSpec], None]) -> None:
         converter="ds4_model_qwen38.convert:convert",
         ops=GRAPH_OPS,
         describe="ds4_model_qwen38.describe:describe",
+        tiny="ds4_model_qwen38.tiny:trained_model",
         description="Qwen3.8 Flash Next (gated delta-net + QSA attention, n-gram embeddings on disk)",
     ))
 

@@ -127,3 +127,9 @@ def build_tiny_hf(directory: str | Path, config_overrides: Mapping[str, Any] | N
     model.save_pretrained(directory)
     write_tokenizer_files(directory)
     return model
+
+
+def trained_model(cache_dir: str | Path | None = None) -> Path:
+    """The shipped tiny Qwen3.8 Flash Next trained on Python's standard library (``ds4 run -m tiny:qwen38``; see its
+    card ``data/tiny-qwen38.md``). ``cache_dir`` is unused: the file ships with the package."""
+    return Path(__file__).parent / "data" / "tiny-qwen38.gguf"
