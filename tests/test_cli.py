@@ -118,3 +118,9 @@ def test_unknown_model_option_is_one_clear_error(tiny_model):
     assert proc.returncode == 1 and "warp_factor" in proc.stderr and "Traceback" not in proc.stderr
     bad = ds4("run", "-m", str(tiny_model), "-p", "hi", "-O", "novalue")
     assert bad.returncode == 1 and "KEY=VALUE" in bad.stderr
+
+
+def test_bench_without_a_gpu_says_why_in_one_line():
+    proc = ds4("bench", "--layers", "1")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: ds4 bench measures the CUDA backend")

@@ -25,6 +25,14 @@ def bench(synthetic: str, recipe: str, layers: int | None, repeats: int, prefill
     """Benchmark the CUDA backend on a synthetic DeepSeek V4 Flash against the HBM and tensor-core roofs."""
     import json
 
+    from ds4_core.engine import probe_backends
+    from ds4_core.errors import BackendError
+    from ds4_core.plugins import get_plugin_manager
+
+    cuda = next((c for c in probe_backends(get_plugin_manager().registry) if c.spec.name == "cuda"), None)
+    if cuda is None or not cuda.usable:
+        raise BackendError("ds4 bench measures the CUDA backend, which cannot run here: "
+                           + (cuda.reason if cuda else "it is not installed (pip install 'ds4-core[cuda]')"))
     from .synthetic import print_report, run_all
 
     results = run_all(recipe=recipe, layers=layers, repeats=repeats, prefill_tokens=prefill_tokens)

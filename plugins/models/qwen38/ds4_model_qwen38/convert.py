@@ -213,8 +213,9 @@ class _Planner:
 
         self.copy(f"{blk}.attn_qkv.weight", f"{hf}.in_proj_qkv.weight", transform=qkv)
         self.copy(f"{blk}.attn_gate.weight", f"{hf}.in_proj_z.weight", transform=heads)
-        self.copy(f"{blk}.ssm_beta.weight", f"{hf}.in_proj_b.weight", transform=heads)
-        self.copy(f"{blk}.ssm_alpha.weight", f"{hf}.in_proj_a.weight", transform=heads)
+        # beta/alpha, the indexer projections and the routers stay float at every outtype, as the loader expects
+        self.copy(f"{blk}.ssm_beta.weight", f"{hf}.in_proj_b.weight", "half", heads)
+        self.copy(f"{blk}.ssm_alpha.weight", f"{hf}.in_proj_a.weight", "half", heads)
         self.copy(f"{blk}.ssm_a", f"{hf}.A_log", "f32", lambda x: heads(_ssm_a(x)))
         self.copy(f"{blk}.ssm_dt.bias", f"{hf}.dt_bias", "f32", heads)
         self.copy(f"{blk}.ssm_conv1d.weight", f"{hf}.conv1d.weight", "f32", lambda x: qkv(x[:, 0, :]),
@@ -231,16 +232,16 @@ class _Planner:
         self.norm(f"{blk}.attn_k_norm.weight", f"{hf}.k_norm.weight")
         split, D = hp.index_heads * hp.index_dim, hp.hidden_size
         qk = f"{hf}.indexer.index_qk_proj.weight"
-        self.copy(f"{blk}.indexer.q_proj.weight", qk, transform=lambda x: x[:split], shape=(split, D))
-        self.copy(f"{blk}.indexer.k_proj.weight", qk, transform=lambda x: x[split:], shape=(hp.index_dim, D))
+        self.copy(f"{blk}.indexer.q_proj.weight", qk, "half", lambda x: x[:split], (split, D))
+        self.copy(f"{blk}.indexer.k_proj.weight", qk, "half", lambda x: x[split:], (hp.index_dim, D))
         self.norm(f"{blk}.indexer.q_norm.weight", f"{hf}.indexer.q_layernorm.weight")
         self.norm(f"{blk}.indexer.k_norm.weight", f"{hf}.indexer.k_layernorm.weight")
 
     def moe(self, blk: str, hf: str) -> None:
         hp, src = self.hp, self.source
         E, F, D = hp.n_experts, hp.expert_ffn, hp.hidden_size
-        self.copy(f"{blk}.ffn_gate_inp.weight", f"{hf}.gate.weight")
-        self.copy(f"{blk}.ffn_gate_inp_shexp.weight", f"{hf}.shared_expert_gate.weight")
+        self.copy(f"{blk}.ffn_gate_inp.weight", f"{hf}.gate.weight", kind="half")
+        self.copy(f"{blk}.ffn_gate_inp_shexp.weight", f"{hf}.shared_expert_gate.weight", kind="half")
         for part in ("gate", "up", "down"):
             self.copy(f"{blk}.ffn_{part}_shexp.weight", f"{hf}.shared_expert.{part}_proj.weight")
         fused, down = f"{hf}.experts.gate_up_proj", f"{hf}.experts.down_proj"
