@@ -106,7 +106,8 @@ def cache_dir() -> Path:
 @click.option("-m", "--model", help="GGUF file, or tiny:<family> (default: the embedded tiny DeepSeek V4).")
 @click.option("-p", "--prompt", help="Prompt text; without it (and without --prompt-file) ds4 chats interactively.")
 @click.option("--prompt-file", type=click.File("r"), help="Read the prompt from a file ('-' for stdin).")
-@click.option("-n", "--max-tokens", default=256, show_default=True, help="Tokens to generate per reply.")
+@click.option("-n", "--max-tokens", default=256, show_default=True, type=click.IntRange(min=1),
+              help="Tokens to generate per reply.")
 @click.option("--temp", default=1.0, show_default=True, help="Sampling temperature; 0 = greedy.")
 @click.option("--top-k", default=0, show_default=True, help="Keep the k most likely tokens (0 = off).")
 @click.option("--top-p", default=1.0, show_default=True, help="Nucleus sampling mass.")

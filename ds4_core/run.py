@@ -18,11 +18,11 @@ def run_command(path: Path, *, prompt: str | None, max_tokens: int, temp: float,
                 min_p: float, seed: int | None, ctx: int | None, backend: str, think: bool, system: str | None,
                 raw: bool, default_model: bool, options: dict[str, Any]) -> None:
     """Load ``path`` and generate; without ``prompt``, chat turn by turn on stdin."""
+    params = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)  # checked first
     engine = Engine.load(path, backend=backend, ctx=ctx, progress=sys.stderr.isatty(), **options)
     if default_model:
         click.echo(f"[embedded tiny {engine.spec.name} model {path.name}, a demo trained on Python's standard "
                    f"library; pass -m FILE.gguf for a real model]", err=True)
-    params = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     if raw or engine.chat_format is None:
         if prompt is None:
             prompt = click.prompt("prompt", err=True)

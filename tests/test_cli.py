@@ -53,6 +53,15 @@ def test_backends_table_lists_numpy_as_available():
 def test_bad_option_values_are_rejected():
     result = CliRunner().invoke(cli, ["convert", "/", "out.gguf", "--outtype", "q9_9"])
     assert result.exit_code == 2 and "q9_9" in result.output
+    result = CliRunner().invoke(cli, ["run", "-p", "hi", "-n", "0"])
+    assert result.exit_code == 2 and "max-tokens" in result.output
+
+
+def test_bad_sampling_values_fail_before_the_model_loads():
+    proc = ds4("run", "-m", "/nonexistent-but-unread.gguf", "-p", "hi", "--temp", "nan")
+    assert proc.returncode == 1 and "model file" in proc.stderr  # the path is checked first
+    proc = ds4("run", "-p", "hi", "--temp", "nan")
+    assert proc.returncode == 1 and "temperature" in proc.stderr and "embedded tiny" not in proc.stderr
 
 
 @pytest.fixture(scope="module")
