@@ -1,4 +1,4 @@
-"""Train one family's tiny model on the token streams written by ``prepare.py`` (one GPU, fixed seeds).
+"""Train one family's tiny model on the token streams written by ``prepare.py`` (one GPU or CPU, fixed seeds).
 
 The models are defined in ``families.py``: DeepSeek V4 (``DeepseekV4ForCausalLM``: sliding, CSA and HCA
 attention, hash-routed and top-k-routed MoE, mHC), GLM 5.3 Flash (``Glm5NextForConditionalGeneration``: KDA and
