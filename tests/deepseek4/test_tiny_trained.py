@@ -7,10 +7,7 @@ out when ``sha1(relative path) % 10 == 0``, see docs/tiny-models.md), so no test
 from __future__ import annotations
 
 import ast
-import hashlib
 import math
-import re
-import sysconfig
 from importlib import resources
 from pathlib import Path
 
@@ -18,13 +15,12 @@ import numpy as np
 import pytest
 
 from ds4_core.engine import Engine
+from ds4_core.testing.heldout import HELD_OUT_FILES, card_value, held_out_sources, is_held_out, mean_loss
 
 DATA = resources.files("ds4_model_deepseek4").joinpath("data")
 MODEL = Path(str(DATA.joinpath("tiny-deepseek4.gguf")))
 CARD = Path(str(DATA.joinpath("tiny-deepseek4.md")))
 
-# Held-out modules present in every supported Python version; the first SUBSET_TOKENS tokens of each are scored.
-HELD_OUT_FILES = ("base64.py", "copy.py", "difflib.py", "gzip.py")
 SUBSET_TOKENS = 512  # BOS + 511 text tokens per file
 PREFIX_CHARS = 4000  # enough text for 511 tokens (the corpus averages 3.5 characters per token)
 # The card's number was measured on Python 3.11; other versions' copies of these files differ a little.
@@ -38,27 +34,10 @@ def engine():
     eng.close()
 
 
-def card_value(label: str) -> float:
-    """The number in the model card's table row whose first cell is ``label``."""
-    match = re.search(rf"^\| {re.escape(label)} \| ([0-9.]+)", CARD.read_text(encoding="utf-8"), re.MULTILINE)
-    assert match, f"the model card has no row {label!r}"
-    return float(match.group(1))
 
 
-def held_out_sources() -> dict[str, str]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    paths = {name: root / name for name in HELD_OUT_FILES}
-    if not all(p.is_file() for p in paths.values()):
-        pytest.skip(f"this interpreter ships no standard library sources under {root}")
-    return {name: p.read_text(encoding="utf-8") for name, p in paths.items()}
 
 
-def cross_entropy(logits: np.ndarray, targets: list[int]) -> np.ndarray:
-    """Per-position cross-entropy (nats) of float ``logits [n, V]`` against ``targets [n]``."""
-    z = logits.astype(np.float64)
-    z -= z.max(axis=-1, keepdims=True)
-    log_probs = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
-    return -log_probs[np.arange(len(targets)), targets]
 
 
 def greedy(engine: Engine, prompt: str, n_tokens: int) -> str:
@@ -89,32 +68,27 @@ def test_shipped_file_is_small_q8_0_deepseek4(engine):
     assert engine.gguf.architecture == "deepseek4"
     types = {t.type_name for t in engine.gguf.tensors.values()}
     assert "Q8_0" in {t.upper() for t in types}
-    assert engine.tokenizer.vocab_size == int(card_value("vocabulary"))
+    assert engine.tokenizer.vocab_size == int(card_value(CARD, "vocabulary"))
 
 
 def test_files_scored_are_held_out_by_the_split_rule():
     for name in HELD_OUT_FILES:
-        assert int(hashlib.sha1(name.encode()).hexdigest(), 16) % 10 == 0, name
+        assert is_held_out(name), name
 
 
 def test_tokenizer_round_trips_held_out_source(engine):
-    for name, text in held_out_sources().items():
+    for name, text in held_out_texts().items():
         prefix = text[:PREFIX_CHARS]
         assert engine.tokenizer.decode(engine.tokenizer.encode(prefix)) == prefix, name
 
 
 def test_held_out_cross_entropy_far_below_uniform_and_as_in_the_card(engine):
     tok = engine.tokenizer
-    losses = []
-    for text in held_out_sources().values():
-        ids = [tok.bos_id, *tok.encode(text[:PREFIX_CHARS])][:SUBSET_TOKENS]
-        assert len(ids) == SUBSET_TOKENS
-        logits = engine.new_session().feed(ids)[:-1]
-        losses.append(cross_entropy(logits, ids[1:]))
-    loss = float(np.concatenate(losses).mean())
+    loss = mean_loss(engine, list(held_out_texts().values()), tokens=SUBSET_TOKENS, prefix_chars=PREFIX_CHARS,
+                     bos=True)
     uniform = math.log(tok.vocab_size)
     assert loss < 0.5 * uniform, f"held-out loss {loss:.3f} is not far below the uniform {uniform:.3f}"
-    assert abs(loss - card_value("held-out test subset loss")) < TOLERANCE, loss
+    assert abs(loss - card_value(CARD, "held-out test subset loss")) < TOLERANCE, loss
 
 
 def test_greedy_function_body_is_python(engine):
@@ -130,3 +104,10 @@ def test_greedy_continuation_of_bare_signature_is_python(engine):
     prompt = "def fibonacci(n):\n"  # "):\n" is one pre-token piece; a prompt ending in "):" is unseen in training
     text = prompt + greedy(engine, prompt, 40)
     assert parsing_lines(text) >= 3, text
+
+
+def held_out_texts() -> dict[str, str]:
+    sources = held_out_sources()
+    if sources is None:
+        pytest.skip("this interpreter ships no standard library sources")
+    return sources

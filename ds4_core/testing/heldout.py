@@ -1,0 +1,63 @@
+"""Held-out scoring of the shipped tiny models (trained on Python's standard library, docs/tiny-models.md).
+
+The corpus split is by file name, so any interpreter's standard library provides the held-out text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import sysconfig
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+#: Held-out modules present in every supported Python version.
+HELD_OUT_FILES: tuple[str, ...] = ("base64.py", "copy.py", "difflib.py", "gzip.py")
+
+
+def is_held_out(relative_path: str) -> bool:
+    """The corpus split rule: a file is held out when ``sha1(relative posix path) % 10 == 0``."""
+    return int(hashlib.sha1(relative_path.encode()).hexdigest(), 16) % 10 == 0
+
+
+def held_out_sources(names: Sequence[str] = HELD_OUT_FILES) -> dict[str, str] | None:
+    """Source text of each held-out stdlib module, or ``None`` when this interpreter ships no sources."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    paths = {name: root / name for name in names}
+    if not all(p.is_file() for p in paths.values()):
+        return None
+    return {name: p.read_text(encoding="utf-8") for name, p in paths.items()}
+
+
+def card_value(card: Path, label: str) -> float:
+    """The number in a model card's table row whose first cell is ``label``."""
+    match = re.search(rf"^\| {re.escape(label)} \| ([0-9.]+)", card.read_text(encoding="utf-8"), re.MULTILINE)
+    if match is None:
+        raise AssertionError(f"{card.name} has no table row {label!r}")
+    return float(match.group(1))
+
+
+def cross_entropy(logits: np.ndarray, targets: Sequence[int]) -> np.ndarray:
+    """Per-position cross-entropy (nats) of float ``logits [n, V]`` against ``targets [n]``."""
+    z = logits.astype(np.float64)
+    z -= z.max(axis=-1, keepdims=True)
+    log_probs = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+    return -log_probs[np.arange(len(targets)), list(targets)]
+
+
+def mean_loss(engine: Any, texts: Sequence[str], *, tokens: int, prefix_chars: int = 4000,
+              bos: bool = True) -> float:
+    """Mean next-token cross-entropy of the first ``tokens`` tokens of each text (BOS first when ``bos``),
+    each scored in a fresh session."""
+    tok = engine.tokenizer
+    losses = []
+    for text in texts:
+        ids = ([tok.bos_id] if bos else []) + tok.encode(text[:prefix_chars])
+        ids = ids[:tokens]
+        if len(ids) != tokens:
+            raise AssertionError(f"only {len(ids)} tokens in the first {prefix_chars} characters")
+        losses.append(cross_entropy(engine.new_session().feed(ids)[:-1], ids[1:]))
+    return float(np.concatenate(losses).mean())
