@@ -98,8 +98,8 @@ def test_greedy_function_body_is_python(engine):
     assert parsing_lines(text) >= prompt.count("\n") + 2, text
 
 
-@pytest.mark.xfail(strict=True, reason="the 3-minute model opens a docstring after a bare signature and never "
-                                       "closes it; a longer training run should fix this (docs/tiny-models.md)")
+@pytest.mark.xfail(strict=True, reason="greedy decoding after a bare signature does not parse yet (see the model "
+                                       "card); more training should fix this (docs/tiny-models.md)")
 def test_greedy_continuation_of_bare_signature_is_python(engine):
     prompt = "def fibonacci(n):\n"  # "):\n" is one pre-token piece; a prompt ending in "):" is unseen in training
     text = prompt + greedy(engine, prompt, 40)
