@@ -217,11 +217,13 @@ def top_p(c: Candidates, p: SamplingParams) -> Candidates:
     """Keep the most probable candidates (ties: lowest id) until their share of the mass reaches ``top_p``.
 
     The candidate that crosses the threshold is kept; the result is sorted by descending probability. 1 = off.
+    Candidates are ranked by logit, then probability: logits that differ can round to equal probabilities
+    (``exp(1e-20) == exp(0)``), and the ranking must agree with greedy argmax.
     """
     probs = _require_probs(c, "top_p")
     if p.top_p >= 1.0 or len(c) == 0:
         return c
-    order = np.lexsort((c.ids, -probs))
+    order = np.lexsort((c.ids, -probs, -np.asarray(c.logits, dtype=np.float64)))
     mass = np.cumsum(probs[order])
     n_keep = int(np.searchsorted(mass, p.top_p * mass[-1], side="left")) + 1
     return c.take(order[: min(n_keep, order.size)])

@@ -112,6 +112,7 @@ def test_min_p_one_keeps_only_the_most_probable_tokens(logits, t, seed):
 
 @PROPERTY
 @given(logit_rows, st.floats(0.05, 3.0), st.floats(0.0, 0.05), st.integers(0, 999))
+@example(np.array([0.0, 1e-20], np.float32), 1.0, 0.0, 0)  # distinct logits, equal probabilities after exp
 def test_tiny_top_p_keeps_only_the_top_token(logits, t, min_p, seed):
     sampler = Sampler(SamplingParams(temperature=t, top_p=1e-9, min_p=min_p, seed=seed))
     assert [sampler.sample(logits) for _ in range(3)] == [argmax_lowest_id(logits)] * 3
