@@ -10,7 +10,7 @@ tensors, value transforms) and builds on this module:
 * :func:`metadata_row`, :func:`tokenizer_metadata`, :func:`write_gguf_atomic` - the output.
 
 Tensors stream one chunk at a time, so memory stays bounded by the largest chunk, and the output file appears only
-once it is complete (temporary file beside it, fsync, rename).
+once it is complete (temporary file beside it, fsync, rename, fsync of the directory).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from gguf import GGUFValueType, GGUFWriter
 from gguf.constants import GGMLQuantizationType
 
 from .errors import ConversionError, TokenizerError
+from .files import fsync_dir
 from .quants import quantize, tensor_nbytes
 from .tokenizer import TOKEN_UNUSED, tokenizer_metadata_from_hf
 
@@ -338,6 +339,7 @@ def write_gguf_atomic(out_path: str | os.PathLike[str], arch: str, metadata_rows
         os.fsync(writer.fout[0].fileno())
         writer.close()
         os.replace(tmp, out_path)
+        fsync_dir(out_path.parent)
     except BaseException:
         writer.close()
         tmp.unlink(missing_ok=True)

@@ -29,6 +29,7 @@ import attrs
 import numpy as np
 
 from ds4_core.engine import Snapshot
+from ds4_core.files import fsync_dir
 from ds4_core.log import get_logger
 
 FORMAT_VERSION = 1
@@ -191,7 +192,7 @@ class DiskKVStore:
                         fh.flush()
                         os.fsync(fh.fileno())
                     os.replace(tmp, path)
-                    _fsync_dir(self.dir)
+                    fsync_dir(self.dir)
                     self.index[key] = _Entry(path, len(snap.tokens), len(blob), time.time())
                     self._evict()
             except OSError as exc:
@@ -228,14 +229,6 @@ class _FileLock:
     def __exit__(self, *exc: object) -> None:
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def create(directory: str | Path, budget_bytes: int, **options: Any) -> DiskKVStore:
