@@ -13,10 +13,12 @@ Tools are OpenAI function definitions ``{"type": "function", "function": {"name"
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 import attrs
+
+from .errors import TemplateError
 
 Thinking = Literal["none", "high", "max"]
 
@@ -133,3 +135,25 @@ class ReplyParser:
         if self._tool_parser is not None:
             events += self._tool_parser.finish()
         return events
+
+
+def message_text(content: Any, where: str, reader: str) -> str:
+    """Message ``content`` (None, a string, or OpenAI text parts) as one string; ``reader`` names the chat
+    format in the error raised for a non-text part (an image, say)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, Sequence):
+        raise TemplateError(f"{where}: content must be a string or a list of text parts, got {type(content).__name__}")
+    texts = []
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+            raise TemplateError(f"{where}: {reader} reads only text; remove the content part of type {kind!r} "
+                                "or convert it to {'type': 'text', 'text': ...}")
+    return "".join(texts)

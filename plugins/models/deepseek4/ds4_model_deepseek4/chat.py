@@ -11,7 +11,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ds4_core.chat import ReplyParser, Thinking
+from ds4_core.chat import ReplyParser, Thinking, message_text
 from ds4_core.errors import TemplateError
 
 from .dsml import DSML, ToolCallStreamParser, render_tool_calls
@@ -69,26 +69,7 @@ _ROLES = (*_SYSTEM_ROLES, "user", "assistant", *_TOOL_ROLES)
 
 
 def _text(content: Any, where: str) -> str:
-    """Message content (None, a string, or OpenAI text parts) as one string."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, Sequence):
-        raise TemplateError(f"{where}: content must be a string or a list of text parts, got {type(content).__name__}")
-    texts = []
-    for part in content:
-        if isinstance(part, str):
-            texts.append(part)
-        elif isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        else:
-            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-            raise TemplateError(
-                f"{where}: DeepSeek V4 reads only text; remove the content part of type {kind!r} "
-                "or convert it to {'type': 'text', 'text': ...}"
-            )
-    return "".join(texts)
+    return message_text(content, where, "DeepSeek V4")
 
 
 def _function_schemas(tools: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:

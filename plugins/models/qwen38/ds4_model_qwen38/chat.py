@@ -12,7 +12,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ds4_core.chat import Thinking
+from ds4_core.chat import Thinking, message_text
 from ds4_core.errors import TemplateError
 
 from .xmltools import ToolCallStreamParser, render_tool_call
@@ -50,21 +50,7 @@ one per line. If no function fits, answer normally."""
 
 
 def _text(content: Any, where: str) -> str:
-    """Message content (None, a string, or OpenAI text parts) as one string."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, Sequence):
-        parts = []
-        for part in content:
-            if isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str):
-                parts.append(part["text"])
-            else:
-                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-                raise TemplateError(f"{where}: only text content is supported; remove the part of type {kind!r}")
-        return "".join(parts)
-    raise TemplateError(f"{where}: content must be a string or a list of text parts, got {type(content).__name__}")
+    return message_text(content, where, "the Qwen chat format")
 
 
 def _tools_block(tools: Sequence[Mapping[str, Any]]) -> str:
