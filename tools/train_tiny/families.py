@@ -35,16 +35,16 @@ DEEPSEEK4_CONFIG: dict[str, Any] = {
 }
 
 _KDA, _MLA = "linear_attention", "indexed_attention"
-#: GLM 5.3 Flash, sized for a CPU run (~3M parameters): KDA + NoPE MLA with the pooled indexer (8 heads, 4-token
-#: pools, top-64 = 16 pools), one dense FFN layer then group-limited sigmoid MoE, 4 hyper-connection streams.
+#: GLM 5.3 Flash (~9M parameters): KDA + NoPE MLA with the pooled indexer (8 heads, 4-token pools, top-64 = 16
+#: pools), one dense FFN layer then group-limited sigmoid MoE, 4 hyper-connection streams.
 GLM53_TEXT_CONFIG: dict[str, Any] = {
-    "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64, "num_hidden_layers": 4,
-    "layer_types": [_KDA, _MLA, _KDA, _MLA], "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
-    "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 64,
-    "qk_rope_head_dim": 0, "qk_nope_head_dim": 32, "v_head_dim": 32, "n_routed_experts": 8,
+    "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128, "num_hidden_layers": 6,
+    "layer_types": [_KDA, _MLA] * 3, "mlp_layer_types": ["dense"] + ["sparse"] * 5,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 128, "kv_lora_rank": 128,
+    "qk_rope_head_dim": 0, "qk_nope_head_dim": 64, "v_head_dim": 64, "n_routed_experts": 8,
     "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5,
     "index_topk": 64, "index_head_dim": 32, "index_n_heads": 8, "index_kpool": 4, "linear_num_heads": 4,
-    "linear_head_dim": 32, "linear_conv_kernel_dim": 4, "hc_mult": 4, "hc_sinkhorn_iters": 20,
+    "linear_head_dim": 64, "linear_conv_kernel_dim": 4, "hc_mult": 4, "hc_sinkhorn_iters": 20,
     "swiglu_limit": 10.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "tie_word_embeddings": False,
     "bos_token_id": 2, "eos_token_id": 0, "pad_token_id": 0,
 }
@@ -53,15 +53,15 @@ GLM53_VISION_CONFIG: dict[str, Any] = {"depth": 1, "hidden_size": 32, "num_heads
                                        "out_hidden_size": 128, "projection_intermediate_size": 32}
 
 _GDN, _QSA = "linear_attention", "indexed_attention"
-#: Qwen3.8 Flash Next, sized for a CPU run (~3M parameters): gated delta-net + gated QSA attention (8 index heads,
-#: blocks of 4, budget 64), softmax MoE with a shared expert, 4 hyper-connection streams, hashed 2/3-gram PLE on
-#: layers 1 and 3 (one-indexed).
+#: Qwen3.8 Flash Next (~11M parameters): gated delta-net + gated QSA attention (8 index heads, blocks of 4,
+#: budget 64), softmax MoE with a shared expert, 4 hyper-connection streams, hashed 2/3-gram PLE on layers 1, 3
+#: and 5 (one-indexed).
 QWEN38_CONFIG: dict[str, Any] = {
-    "hidden_size": 128, "num_hidden_layers": 4, "layer_types": [_GDN, _QSA, _GDN, _QSA],
-    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4,
-    "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
-    "hc_count": 4, "hc_lowrank": 32, "ple_layer_ids": [1, 3], "ple_embed_dim": 64, "heads_per_ngram": 2,
+    "hidden_size": 256, "num_hidden_layers": 6, "layer_types": [_GDN, _QSA] * 3,
+    "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64, "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4,
+    "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128,
+    "hc_count": 4, "hc_lowrank": 32, "ple_layer_ids": [1, 3, 5], "ple_embed_dim": 64, "heads_per_ngram": 2,
     "ngram_size": 3, "ngram_vocab_size_base": 4096, "make_ngram_vocab_size_divisible_by": 32,
     "ple_conv_kernel_size": 4, "split_ngram_parts": 4, "indexer_n_heads": 8, "indexer_kv_heads": 1,
     "indexer_head_dim": 32, "indexer_budget": 64, "indexer_compress_ratio": 4, "output_gate_type": "sigmoid",
@@ -84,8 +84,13 @@ class Family:
     tokenizer_config: dict[str, Any]
     doc_prefix: tuple[str, ...]  # special tokens before each file (the GGUF's BOS, if it has one)
     doc_suffix: tuple[str, ...]  # special tokens after each file
-    build: Callable[[int, int], Any] = field(repr=False)  # (vocab_size, seed) -> model
+    build: Callable[[int, int, dict], Any] = field(repr=False)  # (vocab_size, seed, config overrides) -> model
     aux_loss_coef: float = 0.0  # weight of transformers' router load-balancing loss (softmax routers)
+    mtp_module: str = ""  # tools/train_tiny module whose ``MtpHead(model)`` trains the family's MTP block
+
+    def build_mtp(self, model: Any) -> Any:
+        """The family's MTP head attached to ``model`` (see ``train.py``: ``MtpHead`` contract)."""
+        return importlib.import_module(self.mtp_module).MtpHead(model)
 
     def special_tokens(self) -> tuple[str, ...]:
         """The family's special tokens in id order (ids 0..)."""
@@ -107,12 +112,12 @@ class Family:
         return model(input_ids=input_ids).logits, None
 
 
-def _build_deepseek4(vocab_size: int, seed: int) -> Any:
+def _build_deepseek4(vocab_size: int, seed: int, overrides: dict) -> Any:
     """``DeepseekV4ForCausalLM``; hash tables hold ``num_experts_per_tok`` distinct experts per token (frozen)."""
     import torch
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-    config = DeepseekV4Config(vocab_size=vocab_size, **DEEPSEEK4_CONFIG)
+    config = DeepseekV4Config(vocab_size=vocab_size, **{**DEEPSEEK4_CONFIG, **overrides})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = DeepseekV4ForCausalLM(config)
@@ -126,25 +131,26 @@ def _build_deepseek4(vocab_size: int, seed: int) -> Any:
     return model
 
 
-def _build_glm53(vocab_size: int, seed: int) -> Any:
+def _build_glm53(vocab_size: int, seed: int, overrides: dict) -> Any:
     """``Glm5NextForConditionalGeneration`` (the text part is what trains; the vision tower is a stub)."""
     import torch
     from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
 
-    config = Glm5NextConfig(text_config={"vocab_size": vocab_size, **GLM53_TEXT_CONFIG},
-                            vision_config=GLM53_VISION_CONFIG)
+    text = {"vocab_size": vocab_size, **GLM53_TEXT_CONFIG, **overrides}
+    config = Glm5NextConfig(text_config=text,
+                            vision_config={**GLM53_VISION_CONFIG, "out_hidden_size": text["hidden_size"]})
     config._attn_implementation = "eager"
     config.text_config._attn_implementation = "eager"
     torch.manual_seed(seed)
     return Glm5NextForConditionalGeneration(config)
 
 
-def _build_qwen38(vocab_size: int, seed: int) -> Any:
+def _build_qwen38(vocab_size: int, seed: int, overrides: dict) -> Any:
     """``Qwen4ExpForCausalLM`` (text only)."""
     import torch
     from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
 
-    config = Qwen4ExpTextConfig(vocab_size=vocab_size, **QWEN38_CONFIG)
+    config = Qwen4ExpTextConfig(vocab_size=vocab_size, **{**QWEN38_CONFIG, **overrides})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     return Qwen4ExpForCausalLM(config)
@@ -155,14 +161,16 @@ FAMILIES: dict[str, Family] = {
         name="deepseek4", title="DeepSeek V4", pre="joyai-llm", nfc=False, tiny_module="ds4_model_deepseek4.tiny",
         tokenizer_config={"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>",
                           "pad_token": "<｜▁pad▁｜>"},
-        doc_prefix=("<｜begin▁of▁sentence｜>",), doc_suffix=("<｜end▁of▁sentence｜>",), build=_build_deepseek4),
+        doc_prefix=("<｜begin▁of▁sentence｜>",), doc_suffix=("<｜end▁of▁sentence｜>",), build=_build_deepseek4,
+        mtp_module="mtp_deepseek4"),
     "glm53": Family(
         name="glm53", title="GLM 5.3 Flash", pre="glm4", nfc=False, tiny_module="ds4_model_glm5.tiny",
         tokenizer_config={"bos_token": "[gMASK]", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
                           "add_bos_token": False},
-        doc_prefix=("[gMASK]",), doc_suffix=("<|endoftext|>",), build=_build_glm53),
+        doc_prefix=("[gMASK]",), doc_suffix=("<|endoftext|>",), build=_build_glm53, mtp_module="mtp_glm53"),
     "qwen38": Family(
         name="qwen38", title="Qwen3.8 Flash Next", pre="qwen35", nfc=True, tiny_module="ds4_model_qwen38.tiny",
         tokenizer_config={"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
-        doc_prefix=(), doc_suffix=("<|endoftext|>",), build=_build_qwen38, aux_loss_coef=1e-2),
+        doc_prefix=(), doc_suffix=("<|endoftext|>",), build=_build_qwen38, aux_loss_coef=1e-2,
+        mtp_module="mtp_qwen38"),
 }
