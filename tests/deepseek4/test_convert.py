@@ -376,7 +376,6 @@ def official_checkpoint(model) -> tuple[dict, dict]:
         else:
             official[prefix + OFFICIAL_LAYER_NAMES[local]] = value
             dequantized[name] = value
-    official["mtp.0.e_proj.weight"] = torch.zeros(4, 4)  # the MTP block is ignored by the main-model converter
     return official, dequantized
 
 

@@ -7,6 +7,9 @@ Two source layouts are accepted:
 * the official DeepSeek layout: names of spec §11, per-expert ``ffn.experts.E.w{1,2,3}``, FP8 E4M3 weights with
   128x128 E8M0 block scales and packed FP4 experts with 1x32 E8M0 scales (both dequantized here).
 
+An MTP (next-n) block in the checkpoint (``mtp.0.*``, e.g. ``mtp.safetensors`` beside the trunk's shards) is written
+into the same GGUF under the ``mtp.0.*`` names of spec §12.3; a checkpoint without one converts to the trunk alone.
+
 Tensors are streamed one chunk of rows at a time from memory-mapped safetensors, so memory stays bounded by the
 largest chunk, and the output is written atomically (temporary file, fsync, rename).
 """
@@ -220,6 +223,19 @@ _INDEXER_TENSORS = (
 )
 _HASH_TENSORS = (("ffn_gate_tid2eid.weight", "mlp.gate.tid2eid", "i32"),)
 _BIAS_TENSORS = (("exp_probs_b.bias", "mlp.gate.e_score_correction_bias", "f32"),)
+# The MTP block's own tensors (spec §8, §12.3), inside "mtp.0." in both the GGUF and the canonical naming; its
+# decoder block uses _LAYER_TENSORS, _BIAS_TENSORS (required) and the routed experts, like a sliding layer.
+_MTP_TENSORS = (
+    ("e_proj.weight", "e_proj.weight", "matrix"),
+    ("h_proj.weight", "h_proj.weight", "matrix"),
+    ("enorm.weight", "enorm.weight", "f32"),
+    ("hnorm.weight", "hnorm.weight", "f32"),
+    ("norm.weight", "norm.weight", "f32"),
+    ("hc_head_fn.weight", "hc_head.hc_fn", "half"),
+    ("hc_head_base.weight", "hc_head.hc_base", "f32"),
+    ("hc_head_scale.weight", "hc_head.hc_scale", "f32"),
+)
+MTP_PREFIX = "mtp.0."
 # Routed experts: (GGUF name, official per-expert weight, part of the transformers stacked tensor).
 _EXPERT_TENSORS = (("ffn_gate_exps.weight", "w1", "gate"), ("ffn_up_exps.weight", "w3", "up"),
                    ("ffn_down_exps.weight", "w2", "down"))
@@ -244,8 +260,15 @@ _RENAMES = tuple((re.compile(pattern), replacement) for pattern, replacement in 
 
 
 def canonical_name(name: str) -> str:
-    """The transformers module name (without ``model.``) of a tensor in either checkpoint layout."""
+    """The transformers module name (without ``model.``) of a tensor in either checkpoint layout; an MTP tensor
+    keeps its ``mtp.N.`` prefix, followed by the module name its block part would have inside a layer."""
     name = name.removeprefix("model.")
+    mtp = re.match(r"mtp\.\d+\.", name)
+    if mtp:
+        own = canonical_name(name[mtp.end():])  # e_proj, enorm, norm, hc_head_* are named like the trunk's globals
+        if own in {local for _, local, _ in _MTP_TENSORS}:
+            return mtp.group() + own
+        return mtp.group() + canonical_name("layers.0." + name[mtp.end():]).removeprefix("layers.0.")
     for pattern, replacement in _RENAMES:
         name = pattern.sub(replacement, name)
     return name
@@ -370,16 +393,15 @@ def _expected_shape(hp: DeepSeekV4Config, canonical: str, kind: str) -> tuple[in
         "self_attn.o_b_proj.weight": (d, g * hp.o_lora_rank), "mlp.gate.weight": (hp.n_experts, d),
         "self_attn.compressor.kv_proj.weight": (coff * hd, d), "mlp.gate.tid2eid": (v, hp.n_experts_used),
         "self_attn.compressor.indexer.q_b_proj.weight": (hp.index_n_heads * hp.index_head_dim, q),
+        "e_proj.weight": (d, d), "h_proj.weight": (d, d),
     }
-    return shapes.get(re.sub(r"^layers\.\d+\.", "", canonical))
+    return shapes.get(re.sub(r"^(layers\.\d+|mtp\.0)\.", "", canonical))
 
 
 def plan_tensors(hp: DeepSeekV4Config, source: TensorSource, outtype: str) -> list[PlannedTensor]:
     """Map every source tensor to its GGUF tensor (spec §12.3); refuse missing, duplicate and unknown tensors."""
     by_canonical: dict[str, str] = {}
     for name in sorted(source.names()):
-        if name.startswith("mtp."):  # the MTP block goes into a separate GGUF
-            continue
         canonical = canonical_name(name)
         if canonical in by_canonical:
             raise ConversionError(f"tensors {by_canonical[canonical]!r} and {name!r} are the same weight under two "
@@ -388,13 +410,16 @@ def plan_tensors(hp: DeepSeekV4Config, source: TensorSource, outtype: str) -> li
     used: set[str] = set()
     plan: list[PlannedTensor] = []
 
-    def add(table: tuple, layer: int | None = None, kind: str = "", optional: bool = False) -> None:
+    def add(table: tuple, layer: int | str | None = None, kind: str = "", optional: bool = False) -> None:
+        """``layer``: a trunk layer index, ``MTP_PREFIX`` for the MTP block, or None for global tensors."""
+        scope, gguf_scope = _scopes(layer)
         for gguf_name, local, type_class in table:
-            canonical = f"layers.{layer}.{local}" if layer is not None else local
+            canonical = scope + local
             if canonical not in by_canonical:
                 if optional:
                     continue
-                where = f"layer {layer} ({kind})" if layer is not None else "every model"
+                where = "the MTP block" if layer == MTP_PREFIX else \
+                    f"layer {layer} ({kind})" if layer is not None else "every model"
                 raise ConversionError(f"the checkpoint has no tensor {canonical!r} (transformers naming), which "
                                       f"{where} needs; the download is incomplete or config.json does not match "
                                       "the weights")
@@ -404,7 +429,7 @@ def plan_tensors(hp: DeepSeekV4Config, source: TensorSource, outtype: str) -> li
             if expected is not None and shape != expected:
                 raise ConversionError(f"tensor {name!r} has shape {shape}, but config.json implies {expected}")
             used.add(canonical)
-            full_name = f"blk.{layer}.{gguf_name}" if layer is not None else gguf_name
+            full_name = gguf_scope + gguf_name
             qtype = gguf_type(type_class, outtype, shape[-1] if shape else 1)
             plan.append(PlannedTensor(full_name, shape or (1,), qtype, row_chunks(source, name, _FP8_BLOCK)))
 
@@ -422,19 +447,35 @@ def plan_tensors(hp: DeepSeekV4Config, source: TensorSource, outtype: str) -> li
             add(_BIAS_TENSORS, layer, kind, optional=True)
         plan.extend(_plan_experts(hp, source, by_canonical, layer, used, outtype))
     add(_GLOBAL_TENSORS[1:])
+    if any(c.startswith(MTP_PREFIX) for c in by_canonical):  # spec §8: one sliding, non-hash block
+        add(_MTP_TENSORS, MTP_PREFIX)
+        add(_LAYER_TENSORS, MTP_PREFIX, "sliding")
+        add(_BIAS_TENSORS, MTP_PREFIX, "sliding")
+        plan.extend(_plan_experts(hp, source, by_canonical, MTP_PREFIX, used, outtype))
 
     refuse_unknown_tensors([by_canonical[c] for c in set(by_canonical) - used], "it may be a different model, a "
                            "newer DeepSeek V4 variant, or config.json may not match it")
     return plan
 
 
-def _plan_experts(hp: DeepSeekV4Config, source: TensorSource, by_canonical: dict[str, str], layer: int, used: set[str],
-                  outtype: str) -> list[PlannedTensor]:
-    """Routed experts of one layer as three [E, rows, cols] tensors (gate, up, down), from per-expert
-    ``experts.E.w{1,2,3}`` (official layout) or stacked ``gate_up_proj``/``down_proj`` (transformers modules)."""
+def _scopes(layer: int | str | None) -> tuple[str, str]:
+    """(canonical prefix, GGUF prefix) of a trunk layer index, ``MTP_PREFIX`` or None (global tensors)."""
+    if layer is None:
+        return "", ""
+    if isinstance(layer, str):
+        return layer, layer
+    return f"layers.{layer}.", f"blk.{layer}."
+
+
+def _plan_experts(hp: DeepSeekV4Config, source: TensorSource, by_canonical: dict[str, str], layer: int | str,
+                  used: set[str], outtype: str) -> list[PlannedTensor]:
+    """Routed experts of one layer (or of the MTP block, ``layer`` = ``MTP_PREFIX``) as three [E, rows, cols]
+    tensors (gate, up, down), from per-expert ``experts.E.w{1,2,3}`` (official layout) or stacked
+    ``gate_up_proj``/``down_proj`` (transformers modules)."""
     i, d, e = hp.expert_ffn, hp.hidden_size, hp.n_experts
     shapes = {"gate": (i, d), "up": (i, d), "down": (d, i)}
-    prefix = f"layers.{layer}.mlp.experts."
+    scope, gguf_scope = _scopes(layer)
+    prefix = f"{scope}mlp.experts."
     stacked = {"gate_up_proj": (e, 2 * i, d), "down_proj": (e, d, i)}
     planned = []
     for gguf_name, w, part in _EXPERT_TENSORS:
@@ -459,7 +500,7 @@ def _plan_experts(hp: DeepSeekV4Config, source: TensorSource, by_canonical: dict
             used.update(members)
             chunks = member_chunks(source, [by_canonical[m] for m in members])
         shape = (e, *shapes[part])
-        planned.append(PlannedTensor(f"blk.{layer}.{gguf_name}", shape, gguf_type("matrix", outtype, shape[-1]),
+        planned.append(PlannedTensor(f"{gguf_scope}{gguf_name}", shape, gguf_type("matrix", outtype, shape[-1]),
                                      chunks))
     return planned
 

@@ -245,6 +245,12 @@ class DeepSeekV4Model:
         self.output_hc_base = w.get("output_hc_base.weight", (n,), NORM)
         self.output_norm = w.get("output_norm.weight", (D,), NORM)
         self.output = w.get("output.weight", (V, D), MATMUL)
+        from .mtp import load_mtp  # the MTP block is built from this module's Block
+
+        #: The MTP (next-n) block when the file holds ``mtp.0.*`` tensors, else None (run by ``mtp.MtpDrafter``).
+        self.mtp = load_mtp(w, ops, cfg, qat_rounding)
+        #: The final streams ``[T, n, D]`` (before the HyperHead) of the last :meth:`forward`, which the MTP reads.
+        self.last_stream: Any = None
 
     def new_state(self, ctx: int) -> DeepSeekV4State:
         """Empty state for a context of ``ctx`` tokens."""
@@ -268,6 +274,7 @@ class DeepSeekV4Model:
         S = xp.repeat(x[:, None, :], cfg.hc_mult, axis=1)
         for block, ls in zip(self.blocks, state.layers, strict=True):
             S = block(ops, S, ids, pos, ls, p0)
+        self.last_stream = S
         h = ops.hc_head(S, self.output_hc_fn, self.output_hc_scale, self.output_hc_base, cfg.hc_eps, cfg.rms_norm_eps)
         state.n_tokens = p0 + T
         return ops.linear(ops.rms_norm(h, self.output_norm, cfg.rms_norm_eps), self.output)
