@@ -283,6 +283,11 @@ class Glm5NextModel:
 
     def forward(self, ids: Any, state: Glm5NextState) -> Any:
         """Feed ids ``[T]`` (T ≥ 1) after the ``state.n_tokens`` tokens fed so far; return logits ``[T, V]``."""
+        return self.ops.linear(self.hidden(ids, state), self.output)
+
+    def hidden(self, ids: Any, state: Glm5NextState) -> Any:
+        """Like :meth:`forward`, but return the trunk's final state ``[T, D]`` (the final norm of the streams' mean,
+        which the LM head and the MTP block read)."""
         ops, xp, cfg = self.ops, self.ops.xp, self.cfg
         T, p0 = len(ids), state.n_tokens
         if T < 1:
@@ -297,5 +302,4 @@ class Glm5NextModel:
         for block, ls in zip(self.blocks, state.layers, strict=True):
             S, rows = block(ops, S, pos, ls, p0, rows)
         state.n_tokens = p0 + T
-        h = S.mean(axis=1)  # S is float32 already
-        return ops.linear(ops.rms_norm(h, self.output_norm, cfg.rms_norm_eps), self.output)
+        return ops.rms_norm(S.mean(axis=1), self.output_norm, cfg.rms_norm_eps)  # S is float32 already
