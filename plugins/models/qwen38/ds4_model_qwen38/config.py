@@ -62,6 +62,7 @@ _SCALARS: dict[str, tuple[str, GGUFValueType, Any]] = {
     "ple_conv_kernel": ("ple.conv_kernel", _U32, 0),
     "ple_eos": ("ple.eos_token_id", _U32, 0),
     "ple_row_dim": ("embedding_length_per_layer_input", _U32, 0),
+    "nextn_layers": ("nextn_predict_layers", _U32, 0),
 }
 # attribute -> (key, element type, required)
 _ARRAYS: dict[str, tuple[str, GGUFValueType, bool]] = {
@@ -85,7 +86,9 @@ class Qwen38Config:
     """Hyperparameters of one ``qwen4exp`` model (the release or a tiny test model).
 
     ``compress_ratios[l]`` is the QSA block length on gated-attention layers and 0 on delta-net layers;
-    ``ple_layers`` are 0-based layer indices with an n-gram (PLE) block.
+    ``ple_layers`` are 0-based layer indices with an n-gram (PLE) block. ``num_layers`` counts the trunk only: the
+    ``nextn_layers`` MTP blocks (gated attention) follow it as ``blk.{num_layers}…``, and the file's
+    ``block_count`` and ``attention.compress_ratios`` include them (llama.cpp's layout).
     """
 
     vocab_size: int
@@ -120,6 +123,7 @@ class Qwen38Config:
     ple_eos: int
     ple_row_dim: int
     compress_ratios: tuple[int, ...] = attrs.field(converter=tuple)
+    nextn_layers: int = 0
     rope_sections: tuple[int, ...] = attrs.field(converter=tuple, default=())
     ple_layers: tuple[int, ...] = attrs.field(converter=tuple, default=())
     ple_multipliers: tuple[int, ...] = attrs.field(converter=tuple, default=())
@@ -153,24 +157,33 @@ class Qwen38Config:
                             else str(raw) if vtype is _STR else float(raw))
         for attr, (key, _, required) in _ARRAYS.items():
             values[attr] = [_integer(key, v) for v in get(key, None if required else [])]
+        values["num_layers"] -= values["nextn_layers"]
         values["compress_ratios"] = values["compress_ratios"][:values["num_layers"]]
         return cls(**values)
 
     def to_gguf_metadata(self) -> list[tuple[str, Any, GGUFValueType, GGUFValueType | None]]:
         """The inverse of :meth:`from_metadata`: rows ``(full key, value, type, array element type or None)``."""
         rows: list[tuple[str, Any, GGUFValueType, GGUFValueType | None]] = []
+        written = {"num_layers": self.block_count,
+                   "compress_ratios": [*self.compress_ratios, *[self.index_ratio] * self.nextn_layers]}
         for attr, (key, vtype, _) in _SCALARS.items():
-            rows.append((f"{ARCH}.{key}", getattr(self, attr), vtype, None))
+            rows.append((f"{ARCH}.{key}", written.get(attr, getattr(self, attr)), vtype, None))
         for attr, (key, element, _) in _ARRAYS.items():
             if getattr(self, attr):
-                rows.append((f"{ARCH}.{key}", list(getattr(self, attr)), GGUFValueType.ARRAY, element))
+                rows.append((f"{ARCH}.{key}", list(written.get(attr, getattr(self, attr))), GGUFValueType.ARRAY,
+                             element))
         return rows
 
     # ---- derived values ------------------------------------------------------------------------
 
+    @property
+    def block_count(self) -> int:
+        """Trunk layers plus MTP blocks."""
+        return self.num_layers + self.nextn_layers
+
     def is_attention(self, layer: int) -> bool:
-        """Gated attention with QSA selection (else a gated delta-net layer)."""
-        return self.compress_ratios[layer] > 0
+        """Gated attention with QSA selection (else a gated delta-net layer); MTP blocks are gated attention."""
+        return layer >= self.num_layers or self.compress_ratios[layer] > 0
 
     @property
     def index_ratio(self) -> int:
@@ -208,6 +221,8 @@ class Qwen38Config:
                      "n_experts_used", "expert_ffn", "conv_kernel", "ssm_key_dim", "ssm_key_heads",
                      "ssm_value_heads", "ssm_inner", "hc_rank"):
             need(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
+        need(self.nextn_layers in (0, 1), f"nextn_predict_layers must be 0 or 1, got {self.nextn_layers}")
+        need(not self.nextn_layers or self.index_ratio > 0, "an MTP block needs the attention layers' QSA indexer")
         need(self.hc_count > 1, f"hyper_connection.count must be > 1, got {self.hc_count}")
         need(len(self.compress_ratios) == self.num_layers,
              f"attention.compress_ratios has {len(self.compress_ratios)} entries for {self.num_layers} layers")

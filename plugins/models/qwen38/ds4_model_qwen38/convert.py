@@ -1,8 +1,11 @@
 """Convert a Hugging Face Qwen3.8 Flash Next checkpoint to a ``qwen4exp`` GGUF (spec §3, §9.2).
 
 Accepted layouts: what transformers' ``save_pretrained`` writes for ``Qwen4ExpForCausalLM`` (``model.*``) and
-the released VLM checkpoint's text tower (``model.language_model.*``; vision and ``mtp.*`` tensors are
-skipped, n-gram shards ``ngram_embedding.shard_k`` are concatenated in shard order).
+the released VLM checkpoint's text tower (``model.language_model.*``; vision tensors are skipped, n-gram shards
+``ngram_embedding.shard_k`` are concatenated in shard order). An MTP head (``mtp.*``, spec §6: the checkpoint's own,
+or ``mtp.safetensors`` written by ``tools/train_tiny/train.py --mtp``) becomes block ``blk.{n_layer}`` as llama.cpp
+stores it (spec §9.2): ``block_count`` = trunk layers + 1, ``nextn_predict_layers`` = 1, an ordinary gated-attention
+block plus ``blk.{n_layer}.nextn.{eh_proj, enorm, hnorm, hc_head_norm, hc_head_down, hc_head_up}``.
 
 Value changes made on the way, each at the function that makes it:
 
@@ -12,7 +15,9 @@ Value changes made on the way, each at the function that makes it:
 * depthwise conv weights ``[C, 1, K]`` are squeezed to ``[C, K]``;
 * delta-net value heads move from transformers' grouped order to the tiled order (:func:`_tile_value_heads`);
 * ``index_qk_proj`` is split into ``indexer.q_proj`` / ``indexer.k_proj`` and ``gate_up_proj`` into gate and up;
-* every PLE layer's n-gram table is stacked into ``per_layer_token_embd`` (written last) with global head offsets.
+* every PLE layer's n-gram table is stacked into ``per_layer_token_embd`` (written last) with global head offsets;
+* the MTP's norms get the same ``1 + w`` shift (``enorm``, ``hnorm``, ``hc_head_norm`` and its block's norms), and
+  ``fc_embedding`` / ``fc_hidden`` are joined into ``eh_proj = [fc_embedding | fc_hidden]`` (:meth:`_Planner.mtp`).
 """
 
 from __future__ import annotations
@@ -68,8 +73,9 @@ def _layer_types(config: Mapping[str, Any], n_layers: int) -> list[str]:
     return list(types)
 
 
-def hparams_from_config(config: Mapping[str, Any]) -> Qwen38Config:
-    """Normalise a Qwen3.8 ``config.json`` dict (text config, or the composite one with ``text_config``)."""
+def hparams_from_config(config: Mapping[str, Any], nextn_layers: int = 0) -> Qwen38Config:
+    """Normalise a Qwen3.8 ``config.json`` dict (text config, or the composite one with ``text_config``);
+    ``nextn_layers`` MTP blocks (0 or 1) follow the trunk."""
     config = config.get("text_config") or config
     n_layers = int(_field(config, "num_hidden_layers"))
     D, head_dim = int(_field(config, "hidden_size")), int(_field(config, "head_dim"))
@@ -118,7 +124,7 @@ def hparams_from_config(config: Mapping[str, Any]) -> Qwen38Config:
             ple_eos=int(eos or 0), ple_row_dim=E // heads if ple_ids else 0,
             compress_ratios=[ratio if t == "indexed_attention" else 0 for t in types],
             rope_sections=[*(rope.get("mrope_section") or []), 0], ple_layers=ple_ids,
-            ple_multipliers=multipliers, ple_head_offsets=offsets, ple_head_sizes=sizes)
+            ple_multipliers=multipliers, ple_head_offsets=offsets, ple_head_sizes=sizes, nextn_layers=nextn_layers)
     except ModelConfigError as exc:
         raise ConversionError(f"config.json describes an inconsistent model: {exc}") from None
 
@@ -130,15 +136,20 @@ def _padded_rows(sizes: list[int], divisor: int) -> int:
 # ---------------------------------------------------------------- safetensors source
 
 
+MTP = "mtp."
+_MTP_MARKER = "mtp.fc_embedding.weight"
+
+
 def _text_tower_name(name: str) -> str | None:
-    """The name the planner uses: the VLM's text tower as ``model.*``; ``None`` (skipped) for MTP and vision."""
-    if name.startswith(("mtp.", "model.visual.")):
+    """The name the planner uses: the VLM's text tower as ``model.*``, MTP as ``mtp.*``; ``None`` (skipped) for
+    vision."""
+    if name.startswith("model.visual."):
         return None
     return name.replace("model.language_model.", "model.")
 
 
 def text_tower_source(directory: Path) -> SafetensorsSource:
-    """The checkpoint's text-model tensors, names normalised to ``model.*``."""
+    """The checkpoint's text-model (and MTP) tensors, names normalised to ``model.*`` / ``mtp.*``."""
     return SafetensorsSource(directory, dtypes=_DTYPES, rename=_text_tower_name)
 
 
@@ -319,6 +330,38 @@ class _Planner:
         self.plan.append(PlannedTensor(NGRAM_TABLE, shape, gguf_type("matrix", self.outtype, shape[1]), chunks))
 
 
+    def mtp(self) -> None:
+        """The MTP head as block ``blk.{num_layers}``: a gated-attention block plus its ``nextn.*`` tensors."""
+        hp, src = self.hp, self.source
+        blk, D = f"blk.{hp.num_layers}", hp.hidden_size
+        self.norm(f"{blk}.nextn.enorm.weight", f"{MTP}pre_fc_norm_embedding.weight")
+        self.norm(f"{blk}.nextn.hnorm.weight", f"{MTP}pre_fc_norm_hidden.weight")
+        fc = (f"{MTP}fc_embedding.weight", f"{MTP}fc_hidden.weight")
+        for name in fc:
+            if src.shape(name) != (D, D):
+                raise ConversionError(f"{name} has shape {src.shape(name)}; config.json implies {(D, D)}")
+        self.names.update(fc)
+        self.add(f"{blk}.nextn.eh_proj.weight", lambda: np.concatenate([src.rows(fc[0]), src.rows(fc[1])], axis=1),
+                 (D, 2 * D))  # applied to [embedding | hidden stream]
+        self.hyper_connection(f"{blk}.nextn.hc_head", f"{MTP}hyper_connection_mixer", inject=False)
+        self.names.add(f"{MTP}hyper_connection_mixer.block_inject_weight.weight")  # unused by a mixer: skipped
+        layer = f"{MTP}layers.0"
+        self.hyper_connection(f"{blk}.hc_attn", f"{layer}.attn_hyper_connection", inject=True)
+        self.attention(blk, f"{layer}.self_attn")
+        self.hyper_connection(f"{blk}.hc_ffn", f"{layer}.mlp_hyper_connection", inject=True)
+        self.moe(blk, f"{layer}.mlp")
+
+
+def mtp_layers(source: SafetensorsSource) -> int:
+    """1 if the checkpoint has an MTP head (``mtp.*`` tensors), else 0."""
+    if not any(name.startswith(MTP) for name in source.names()):
+        return 0
+    if not source.has(_MTP_MARKER):
+        raise ConversionError(f"the checkpoint has mtp.* tensors but no {_MTP_MARKER}; the MTP head is incomplete — "
+                              "re-save it or remove the mtp.* tensors to convert the trunk alone")
+    return 1
+
+
 def plan_tensors(hp: Qwen38Config, source: SafetensorsSource, outtype: str) -> list[PlannedTensor]:
     """Every GGUF tensor in file order (the n-gram table last, so a file cut short loses only table rows)."""
     p = _Planner(hp, source, outtype)
@@ -336,6 +379,8 @@ def plan_tensors(hp: Qwen38Config, source: SafetensorsSource, outtype: str) -> l
         p.moe(blk, f"{hf}.mlp")
     p.hyper_connection("output_hc", "model.hyper_connection_mixer", inject=False)
     p.copy("output.weight", "lm_head.weight")
+    if hp.nextn_layers:
+        p.mtp()
     if hp.ple_layers:
         p.ngram_table()
     refuse_unknown_tensors(source.names() - p.names, "it may be another model or config.json may not match it")
@@ -353,8 +398,9 @@ def convert(src_dir: str | os.PathLike[str], out_path: str | os.PathLike[str], o
     outtype = check_outtype(outtype)
     src = Path(src_dir)
     config = read_hf_config(src)
-    hp = hparams_from_config(config)
-    plan = plan_tensors(hp, text_tower_source(src), outtype)
+    source = text_tower_source(src)
+    hp = hparams_from_config(config, mtp_layers(source))
+    plan = plan_tensors(hp, source, outtype)
     metadata = [metadata_row("general.name", src.resolve().name or "Qwen3.8"), *hp.to_gguf_metadata(),
                 *tokenizer_metadata(src, hp.vocab_size, "qwen35")]
     write_gguf_atomic(out_path, ARCH, metadata, plan, progress)

@@ -65,7 +65,8 @@ class Qwen38Model:
     """A loaded Qwen3.8 model (satisfies :class:`ds4_core.model.Model`).
 
     ``ngram_table`` is the on-disk n-gram table (``None`` without PLE layers); its rows are read per chunk,
-    before any state changes, so a failed read leaves the session as it was.
+    before any state changes, so a failed read leaves the session as it was. ``mtp`` is the MTP head
+    (:class:`ds4_model_qwen38.mtp.Qwen38Mtp`) when the file has one, else ``None``.
     """
 
     family = "qwen38"
@@ -78,6 +79,12 @@ class Qwen38Model:
         self.blocks = [Block(w, ops, layer, cfg) for layer in range(cfg.num_layers)]
         self.output_hc = HyperConnection(w, "output_hc", cfg, inject=False)
         self.output = w.get("output.weight", (V, D), MATMUL)
+        if cfg.nextn_layers:
+            from .mtp import Qwen38Mtp
+
+            self.mtp: Any = Qwen38Mtp(w, ops, cfg, self)
+        else:
+            self.mtp = None
         heads, n = cfg.ple_heads, cfg.ngram_size
         self._hash = [(np.array(cfg.ple_multipliers[i * n:(i + 1) * n], np.int64),
                        np.array(cfg.ple_head_sizes[i * heads:(i + 1) * heads], np.int64),
@@ -102,6 +109,16 @@ class Qwen38Model:
 
     def forward(self, ids: Any, state: Qwen38State) -> Any:
         """Feed ids ``[T]`` (T ≥ 1) after the ``state.n_tokens`` tokens fed so far; return logits ``[T, V]``."""
+        return self.head(self.forward_streams(ids, state))
+
+    def head(self, H: Any) -> Any:
+        """Final mixer and output head: trunk streams ``H [T, n, D]`` -> logits ``[T, V]``."""
+        h, _ = self.output_hc(self.ops, H)
+        return self.ops.linear(h, self.output)
+
+    def forward_streams(self, ids: Any, state: Qwen38State) -> Any:
+        """Like :meth:`forward`, but return the streams after the last layer, before the final mixer ``[T, n, D]``
+        (what the MTP head reads)."""
         ops, xp, cfg = self.ops, self.ops.xp, self.cfg
         T, p0 = len(ids), state.n_tokens
         if T < 1:
@@ -119,8 +136,7 @@ class Qwen38Model:
         H = xp.repeat(x[:, None, :], cfg.hc_count, axis=1)
         for layer, block in enumerate(self.blocks):
             H = block(ops, H, pos, state.layers[layer], p0, ple_rows.get(layer))
-        h, _ = self.output_hc(ops, H)
         if state.ngram_history.size:
             state.ngram_history = np.concatenate([state.ngram_history, host_ids])[-state.ngram_history.size:]
         state.n_tokens = p0 + T
-        return ops.linear(h, self.output)
+        return H
