@@ -1,7 +1,9 @@
 """Compilation of the ``.cu`` sources through ``cupy.RawModule`` (NVRTC), once per process.
 
-Each weight format gets its own module (five kernels), so the formats compile in parallel threads and a
-process that needs one format compiles only that one; the recurrent-layer kernels are one more module. CuPy keys
+Each weight format gets its own module (five kernels; the formats of :data:`INT8_TYPES` also get the integer
+decode kernels of ``quant_int8.cu``, compiled after ``quant.cu`` in the same module), so the formats compile in
+parallel threads and a process that needs one format compiles only that one; the recurrent-layer kernels are one
+more module. CuPy keys
 its on-disk kernel cache by source text and options, so an unchanged source compiles once per machine;
 :func:`warm` forces that at load time rather than at the first token.
 """
@@ -20,6 +22,10 @@ QUANT_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q
 #: Kernel names of :func:`quant_kernel` -> template instantiation in quant.cu (``Q`` is the format struct).
 QUANT_KERNELS: dict[str, str] = {"gemv1": "gemv<Q, 1>", "gemv8": "gemv<Q, 8>", "moe_gemv": "moe_gemv<Q>",
                                  "moe_gate_up": "moe_gate_up<Q>", "dequant_rows": "dequant_rows<Q>"}
+#: Formats with integer decode kernels (int8 activations, ``__dp4a``) and those kernels' instantiations.
+INT8_TYPES: tuple[str, ...] = ("Q8_0", "Q2_K", "IQ2_XXS")
+INT8_KERNELS: dict[str, str] = {"gemv1_i8": "gemv_i8<Q>", "moe_gemv_i8": "moe_gemv_i8<Q>",
+                                "moe_gate_up_i8": "moe_gate_up_i8<Q>"}
 _OPTIONS = ("--std=c++17",)
 
 
@@ -28,17 +34,22 @@ def source(name: str) -> str:
     return resources.files(__package__).joinpath("kernels", name).read_text(encoding="utf-8")
 
 
+def _kernels(qtype: str) -> dict[str, str]:
+    return {**QUANT_KERNELS, **INT8_KERNELS} if qtype in INT8_TYPES else QUANT_KERNELS
+
+
 def _expression(kernel: str, qtype: str) -> str:
-    return QUANT_KERNELS[kernel].replace("Q", qtype, 1)
+    return _kernels(qtype)[kernel].replace("Q", qtype, 1)
 
 
 @functools.cache
 def quant_module(qtype: str) -> Any:
-    """The compiled ``quant.cu`` with the kernels of format ``qtype`` (IQ2_XXS: grid table filled in)."""
+    """The compiled ``quant.cu`` (+ ``quant_int8.cu``) with the kernels of ``qtype`` (IQ2_XXS: grid filled in)."""
     import cupy
 
-    names = [_expression(kernel, qtype) for kernel in QUANT_KERNELS]
-    module = cupy.RawModule(code=source("quant.cu"), options=_OPTIONS, name_expressions=names)
+    names = [_expression(kernel, qtype) for kernel in _kernels(qtype)]
+    code = source("quant.cu") + (source("quant_int8.cu") if qtype in INT8_TYPES else "")
+    module = cupy.RawModule(code=code, options=_OPTIONS, name_expressions=names)
     if qtype == "IQ2_XXS":
         from ds4_core.quants import iq2xxs_tables
 
@@ -51,8 +62,14 @@ def quant_module(qtype: str) -> Any:
 
 
 def quant_kernel(kernel: str, qtype: str) -> Any:
-    """The ``cupy.RawKernel`` ``kernel`` (a key of :data:`QUANT_KERNELS`) for weight format ``qtype``."""
+    """The ``cupy.RawKernel`` ``kernel`` (a key of :data:`QUANT_KERNELS`, or of :data:`INT8_KERNELS` for a format
+    of :data:`INT8_TYPES`) for weight format ``qtype``."""
     return quant_module(qtype).get_function(_expression(kernel, qtype))
+
+
+def quantize_kernel() -> Any:
+    """The ``cupy.RawKernel`` that quantizes float32 activations to int8 blocks of 32 (``quantize_q8_1``)."""
+    return quant_module(INT8_TYPES[0]).get_function("quantize_q8_1")
 
 
 #: Column-register bounds the delta-rule kernel is instantiated for (a head's key width must fit one of them).

@@ -8,6 +8,7 @@ chunks to float32 and use cuBLAS. Routed experts read only the selected experts,
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import cupy as cp
@@ -15,7 +16,8 @@ import numpy as np
 
 from ds4_core.backend import Weight
 
-from .modules import quant_kernel
+from .modules import INT8_TYPES, quant_kernel, quantize_kernel
+from .prefill import prefill_linear, prefill_moe
 
 F32 = cp.float32
 #: Tokens per GEMV launch (MAX_TOKENS in quant.cu).
@@ -24,8 +26,11 @@ GEMV_TOKENS = 8
 GEMV_MAX_TOKENS = 32
 #: Routed (token, expert) pairs up to which MoE uses the per-pair GEMV kernels (no host synchronisation).
 MOE_PAIR_LIMIT = 64
-#: Elements dequantized per chunk on the matmul path (bounds scratch memory to 256 MiB).
+#: Elements dequantized per chunk on the float32 matmul path (bounds scratch memory to 256 MiB).
 DEQUANT_CHUNK = 1 << 26
+#: Prefill matmul precision: unset/"32" = float32 sgemm on exact weights; "16" = fp16/bf16 tensor cores (prefill.py),
+#: faster, with logits ~1% apart from numpy on the tiny random test models, so opt-in until that is bounded.
+PREFILL_ENV = "DS4_CUDA_PREFILL"
 #: Rows per warp and warps per block of the GEMV kernels (GEMV_ROWS, GEMV_WARPS in quant.cu).
 ROWS_PER_WARP = 4
 WARPS_PER_BLOCK = 8
@@ -37,6 +42,11 @@ _CHUNK_BLOCKS = {"F32": 32, "F16": 64, "BF16": 64, "Q8_0": 16, "Q4_0": 64, "Q4_K
 _BLOCK_ELEMS = {"F32": 8, "F16": 8, "BF16": 8, "Q8_0": 32, "Q4_0": 32, "Q4_K": 256, "Q6_K": 256, "Q2_K": 256,
                 "IQ2_XXS": 256, "MXFP4": 32}
 _THREADS = 256
+#: Environment switch of the integer decode path (int8 activations, ``__dp4a``): "1" takes it for the formats of
+#: :data:`~.modules.INT8_TYPES`; "0" or unset keeps the float32-activation kernels.
+INT8_ENV = "DS4_CUDA_INT8"
+#: Blocks of one row that a warp stages at once in the integer kernels (CHUNK of I8<Q> in quant_int8.cu).
+_CHUNK_BLOCKS_I8 = {"Q8_0": 32, "Q2_K": 4, "IQ2_XXS": 4}
 
 
 def _i32(v: int) -> np.int32:
@@ -52,9 +62,9 @@ def _multiprocessors(device: int) -> int:
     return cp.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
 
 
-def _splits(qtype: str, nrows: int, ncols: int) -> int:
+def _splits(qtype: str, nrows: int, ncols: int, chunk_blocks: int | None = None) -> int:
     """Warps that share one row group (1, 2, 4 or 8): enough blocks to fill the device, at most one per chunk."""
-    chunks = -(-ncols // (_BLOCK_ELEMS[qtype] * _CHUNK_BLOCKS[qtype]))
+    chunks = -(-ncols // (_BLOCK_ELEMS[qtype] * (chunk_blocks or _CHUNK_BLOCKS[qtype])))
     target = _WAVES * _multiprocessors(cp.cuda.Device().id)
     splits = 1
     while (splits < WARPS_PER_BLOCK and 2 * splits <= chunks
@@ -63,15 +73,71 @@ def _splits(qtype: str, nrows: int, ncols: int) -> int:
     return splits
 
 
+def tensor_core_prefill() -> bool:
+    """Whether prefill matmuls run on 16-bit tensor cores (``DS4_CUDA_PREFILL=16``)."""
+    return os.environ.get(PREFILL_ENV, "32").strip() == "16"
+
+
+def int8_enabled() -> bool:
+    """Whether the decode launches take the integer path by default (environment ``DS4_CUDA_INT8=1``)."""
+    return os.environ.get(INT8_ENV, "0").strip() not in ("", "0")
+
+
+def _use_int8(int8: bool | None, qtype: str) -> bool:
+    return (int8_enabled() if int8 is None else int8) and qtype in INT8_TYPES
+
+
+class QuantizedLaunch:
+    """A GEMV kernel preceded by the quantization of its activations, called like a ``cupy.RawKernel``.
+
+    Both launches go to the current stream, so a CUDA graph captures the pair like one kernel.
+    """
+
+    def __init__(self, quantize: tuple[Any, tuple[int, ...], tuple[int, ...], tuple], kernel: Any):
+        self.quantize, self.kernel = quantize, kernel
+
+    def __call__(self, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, **kwargs: Any) -> None:
+        qkernel, qgrid, qblock, qargs = self.quantize
+        qkernel(qgrid, qblock, qargs)
+        self.kernel(grid, block, args, **kwargs)
+
+
+def quantize_activations(x: Any, span: int, ntok: int,
+                         x_stride: int | None = None) -> tuple[tuple[Any, tuple[int, ...], tuple[int, ...], tuple],
+                                                               tuple[Any, Any, Any]]:
+    """((kernel, grid, block, args), (q, d, sums)): int8 blocks of ``x[t * x_stride + c]``, ``c < span``, ``t < ntok``.
+
+    ``span`` is a multiple of 32 and ``x_stride`` defaults to it. New buffers: ``q`` int8 ``[ntok, span]``,
+    ``d`` float32 ``[ntok, span / 32]`` with ``x ≈ q · d``, ``d = max|x| / 127`` per block of 32 (so
+    ``|x - q · d| <= d / 2``), and ``sums`` float32 ``[ntok, span / 16]``, the sums of ``x`` over 16 columns.
+    """
+    q = cp.empty((ntok, span), dtype=cp.int8)
+    d = cp.empty((ntok, span // 32), dtype=F32)
+    sums = cp.empty((ntok, span // 16), dtype=F32)
+    args = (x, _i64(span if x_stride is None else x_stride), _i32(span), _i32(ntok), q, d, sums)
+    return (quantize_kernel(), (-(-ntok * span // _THREADS),), (_THREADS,), args), (q, d, sums)
+
+
 def gemv_launch(raw: Any, qtype: str, ncols: int, x: Any, ntok: int, y: Any, x_stride: int | None = None,
-                group_rows: int | None = None) -> tuple[Any, tuple[int, ...], tuple[int, ...], tuple]:
+                group_rows: int | None = None, *,
+                int8: bool | None = None) -> tuple[Any, tuple[int, ...], tuple[int, ...], tuple]:
     """(kernel, grid, block, args) of ``y[t, r] = W[r] . x[t]`` for ``t < ntok <= GEMV_TOKENS``.
 
     ``raw``: ``[R, row bytes]``; ``x``: float32 with token ``t`` at ``x[t * x_stride:]`` (default ``ncols``);
     ``y``: float32 ``[ntok, R]``. ``group_rows`` (a multiple of :data:`ROWS_PER_WARP`): row ``r`` reads the
-    activation ``x[t * x_stride + (r // group_rows) * ncols:]`` (a block-diagonal projection).
+    activation ``x[t * x_stride + (r // group_rows) * ncols:]`` (a block-diagonal projection). ``int8`` (default
+    :func:`int8_enabled`), one token and a format of :data:`~.modules.INT8_TYPES`: the kernel is a
+    :class:`QuantizedLaunch` (x to int8 blocks, then the ``__dp4a`` GEMV).
     """
     nrows = raw.shape[0]
+    if ntok == 1 and _use_int8(int8, qtype):
+        groups = 1 if group_rows is None else -(-nrows // group_rows)
+        splits = _splits(qtype, nrows, ncols, _CHUNK_BLOCKS_I8[qtype])
+        quantize, (q, d, sums) = quantize_activations(x, groups * ncols, 1)
+        args = (raw, _i64(raw.shape[1]), _i32(nrows), _i32(ncols), q, d, sums,
+                _i32(nrows if group_rows is None else group_rows), y, _i32(splits))
+        kernel = QuantizedLaunch(quantize, quant_kernel("gemv1_i8", qtype))
+        return kernel, (-(-nrows // (WARPS_PER_BLOCK // splits * ROWS_PER_WARP)),), (32 * WARPS_PER_BLOCK,), args
     splits = _splits(qtype, nrows, ncols)
     rows_per_block = WARPS_PER_BLOCK // splits * ROWS_PER_WARP
     kernel = quant_kernel("gemv1" if ntok == 1 else "gemv8", qtype)
@@ -80,26 +146,42 @@ def gemv_launch(raw: Any, qtype: str, ncols: int, x: Any, ntok: int, y: Any, x_s
     return kernel, (-(-nrows // rows_per_block),), (32 * WARPS_PER_BLOCK,), args
 
 
-def moe_gemv_launch(w: Weight, idx: Any, x: Any, x_div: int, y: Any) -> tuple[Any, tuple[int, ...], tuple[int, ...],
-                                                                             tuple]:
-    """(kernel, grid, block, args) of ``y[p] = W_{idx[p]} @ x[p // x_div]``: ``w [E, R, C]``, ``y [P, R]``."""
+def moe_gemv_launch(w: Weight, idx: Any, x: Any, x_div: int, y: Any, *,
+                    int8: bool | None = None) -> tuple[Any, tuple[int, ...], tuple[int, ...], tuple]:
+    """(kernel, grid, block, args) of ``y[p] = W_{idx[p]} @ x[p // x_div]``: ``w [E, R, C]``, ``y [P, R]``.
+
+    ``x``: contiguous float32 rows of ``C``. ``int8`` as in :func:`gemv_launch`.
+    """
     _, nrows, ncols = w.shape
     row_bytes = w.data.shape[1]
     grid = (-(-nrows // (WARPS_PER_BLOCK * ROWS_PER_WARP)), idx.shape[0])
+    if _use_int8(int8, w.qtype):
+        quantize, (q, d, sums) = quantize_activations(x, ncols, x.size // ncols)
+        args = (w.data, _i64(nrows * row_bytes), _i64(row_bytes), _i32(nrows), _i32(ncols), idx, q, d, sums,
+                _i32(x_div), y)
+        kernel = QuantizedLaunch(quantize, quant_kernel("moe_gemv_i8", w.qtype))
+        return kernel, grid, (32 * WARPS_PER_BLOCK,), args
     args = (w.data, _i64(nrows * row_bytes), _i64(row_bytes), _i32(nrows), _i32(ncols), idx, x, _i32(x_div), y)
     return quant_kernel("moe_gemv", w.qtype), grid, (32 * WARPS_PER_BLOCK,), args
 
 
-def moe_gate_up_launch(gate: Weight, up: Weight, idx: Any, x: Any, x_div: int, limit: float,
-                       h: Any) -> tuple[Any, tuple[int, ...], tuple[int, ...], tuple]:
+def moe_gate_up_launch(gate: Weight, up: Weight, idx: Any, x: Any, x_div: int, limit: float, h: Any, *,
+                       int8: bool | None = None) -> tuple[Any, tuple[int, ...], tuple[int, ...], tuple]:
     """(kernel, grid, block, args) of ``h[p] = swiglu(G_{idx[p]} x, U_{idx[p]} x)``, ``x = x[p // x_div]``.
 
-    ``gate``, ``up``: ``[E, R, C]`` of one format; ``h``: float32 ``[P, R]``. One pass reads both matrices.
+    ``gate``, ``up``: ``[E, R, C]`` of one format; ``x``: contiguous float32 rows of ``C``; ``h``: float32
+    ``[P, R]``. One pass reads both matrices. ``int8`` as in :func:`gemv_launch`.
     """
     _, nrows, ncols = gate.shape
     row_bytes = gate.data.shape[1]
     warps = WARPS_PER_BLOCK // 2
     grid = (-(-nrows // (warps * ROWS_PER_WARP)), idx.shape[0])
+    if _use_int8(int8, gate.qtype):
+        quantize, (q, d, sums) = quantize_activations(x, ncols, x.size // ncols)
+        args = (gate.data, up.data, _i64(nrows * row_bytes), _i64(row_bytes), _i32(nrows), _i32(ncols), idx, q, d,
+                sums, _i32(x_div), F32(limit), h)
+        kernel = QuantizedLaunch(quantize, quant_kernel("moe_gate_up_i8", gate.qtype))
+        return kernel, grid, (32 * warps,), args
     args = (gate.data, up.data, _i64(nrows * row_bytes), _i64(row_bytes), _i32(nrows), _i32(ncols), idx, x,
             _i32(x_div), F32(limit), h)
     return quant_kernel("moe_gate_up", gate.qtype), grid, (32 * warps,), args
@@ -150,6 +232,8 @@ def matmul_raw(x: Any, raw: Any, qtype: str, ncols: int) -> Any:
             kernel, grid, block, args = gemv_launch(raw, qtype, ncols, x[t0:t0 + n], n, out[t0:t0 + n])
             kernel(grid, block, args)
         return out
+    if tensor_core_prefill():
+        return prefill_linear(x, raw, qtype, ncols)
     step = max(1, DEQUANT_CHUNK // ncols)
     for r0 in range(0, nrows, step):
         w = dequantize_rows(raw[r0:r0 + step], qtype, ncols)
@@ -288,9 +372,9 @@ def moe_experts(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, i
                 swiglu_limit: float) -> Any:
     """``Σ_j weights[t, j] · Expert_{idx[t, j]}(x[t])`` for ``x [T, D]``; reads only the selected experts.
 
-    Few pairs: per-pair GEMVs with the expert ids read on the device. Many (prefill), or rows whose width the
-    GEMV kernels cannot take (not a multiple of 8): tokens grouped by expert on the host, each expert's matrices
-    applied through :func:`matmul_raw`.
+    Few pairs: per-pair GEMVs with the expert ids read on the device. Many (prefill): tokens grouped by expert on
+    the device, one tensor-core GEMM per expert group (:func:`prefill.prefill_moe`); with float32 prefill, or rows
+    whose width the kernels cannot take (not a multiple of 8): grouped on the host through :func:`matmul_raw`.
     """
     T, D = x.shape
     k = idx.shape[1]
@@ -299,6 +383,8 @@ def moe_experts(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, i
         h = _expert_gate_up(gate_exps, up_exps, flat, x, k, swiglu_limit)
         y = _expert_gemv(down_exps, flat, h, 1).reshape(T, k, D)
         return cp.einsum("tkd,tk->td", y, cp.asarray(weights, dtype=F32))
+    if tensor_core_prefill() and gate_exps.shape[2] % 8 == 0 and down_exps.shape[2] % 8 == 0:
+        return prefill_moe(x, gate_exps, up_exps, down_exps, idx, weights, swiglu_limit)
     return _moe_grouped(x, gate_exps, up_exps, down_exps, idx, weights, swiglu_limit)
 
 

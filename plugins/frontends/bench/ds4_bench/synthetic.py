@@ -262,28 +262,104 @@ def decode_results(recipe: str, layers: int, repeats: int, bandwidth: float) -> 
             "graph_s_per_layer": per_layer, "peak_pool_bytes": cp.get_default_memory_pool().total_bytes()}
 
 
-def prefill_results(tokens: Sequence[int], repeats: int, matmul_rate: float) -> list[dict[str, Any]]:
-    """FLOP/s of the backend's ``linear`` on prefill-shaped inputs (dequantize to f32 + cuBLAS), vs the bf16 roof."""
+def prefill_matmuls(shapes: dict[str, int] = FLASH) -> list[tuple[str, str, int, int, int]]:
+    """(name, format, rows, cols, calls per model) of the dense prefill matmuls of a DeepSeek V4 with ``shapes``.
+
+    The same projections as :func:`build_decode_step` (CSA layers: even ≥ 2, HCA: odd ≥ 3), without the output
+    head (prefill needs the last token's logits only) and the routed experts (timed through ``prefill_moe``).
+    """
+    s = shapes
+    D, n, L = s["hidden"], s["hc"], s["layers"]
+    csa = len(range(2, L, 2))
+    hca = len(range(3, L, 2))
+    return [("hc mix", "F16", (2 + n) * n, n * D, 2 * L),
+            ("q_a", "Q8_0", s["q_lora"], D, L),
+            ("q_b", "Q8_0", s["heads"] * s["head_dim"], s["q_lora"], L),
+            ("kv", "Q8_0", s["head_dim"], D, L),
+            ("compressor (CSA)", "F16", 2 * s["head_dim"], D, 2 * csa),
+            ("compressor (HCA)", "F16", s["head_dim"], D, 2 * hca),
+            ("indexer q", "F16", s["index_heads"] * s["index_dim"], s["q_lora"], csa),
+            ("indexer weights", "F16", s["index_heads"], D, csa),
+            ("indexer compressor", "F16", 2 * s["index_dim"], D, 2 * csa),
+            ("o_a (one group)", "Q8_0", s["o_lora"], s["heads"] * s["head_dim"] // s["o_groups"], s["o_groups"] * L),
+            ("o_b", "Q8_0", D, s["o_groups"] * s["o_lora"], L),
+            ("router", "F16", s["experts"], D, L),
+            ("shared gate/up", "Q8_0", s["inter"], D, 2 * L),
+            ("shared down", "Q8_0", D, s["inter"], L)]
+
+
+def _peak_pool(fn: Callable[[], Any]) -> tuple[int, int]:
+    """(peak pool bytes, growth during ``fn``): what CuPy's pool holds after one call, from a trimmed pool."""
     import cupy as cp
-    from ds4_backend_cuda.ops import linear
+
+    pool = cp.get_default_memory_pool()
+    pool.free_all_blocks()
+    before = pool.total_bytes()
+    fn()
+    cp.cuda.get_current_stream().synchronize()
+    return pool.total_bytes(), pool.total_bytes() - before
+
+
+def _prefill_entry(name: str, qtype: str, shape: list[int], tokens: int, calls: int, flops: float, seconds: float,
+                   peak: tuple[int, int], matmul_rate: float) -> dict[str, Any]:
+    return {"name": name, "qtype": qtype, "shape": shape, "tokens": tokens, "calls_per_model": calls,
+            "seconds": seconds, "flop_per_s": flops / seconds, "fraction_of_bf16": flops / seconds / matmul_rate,
+            "peak_bytes": peak[0], "scratch_bytes": peak[1]}
+
+
+def prefill_results(tokens: Sequence[int], repeats: int, matmul_rate: float, recipe: str = "q2",
+                    shapes: dict[str, int] = FLASH) -> dict[str, Any]:
+    """Prefill matmuls on the tensor-core path (``ds4_backend_cuda.prefill``) at each token count, vs the bf16 roof.
+
+    ``matmuls``: every distinct dense projection of a layer (``prefill_linear``) and the routed experts of the
+    recipe (``prefill_moe``, random top-k routing), each with its peak pool bytes. ``projection``: the whole
+    model's matmul time (each timing times its calls per model) -> prefill tokens/s; attention, norms, the
+    hyper-connection glue and the output head are excluded, so it is an upper bound.
+    """
+    import cupy as cp
+    from ds4_backend_cuda.prefill import prefill_linear, prefill_moe
 
     from ds4_core.backend import Weight
 
-    rng = np.random.default_rng(1)
-    out = []
-    for qtype, rows, cols in (("Q8_0", 4096, 8192), ("IQ2_XXS", 2048, 4096)):
-        w = Weight("w", qtype, (rows, cols), device_blocks(qtype, rows, cols))
-        for t in tokens:
-            x = cp.asarray(rng.standard_normal((t, cols), dtype=np.float32))
-            seconds = _time(lambda x=x, w=w: linear(x, w), repeats)
-            flops = 2 * t * rows * cols / seconds
-            out.append({"qtype": qtype, "shape": [rows, cols], "tokens": t, "seconds": seconds, "flop_per_s": flops,
-                        "fraction_of_bf16": flops / matmul_rate})
-    return out
+    s = shapes
+    D, E, k, inter, L = s["hidden"], s["experts"], s["k"], s["inter"], s["layers"]
+    formats = RECIPES[recipe]
+    matmuls, projection = [], []
+    for t in tokens:
+        entries, measured = [], {}
+        for name, qtype, rows, cols, calls in prefill_matmuls(s):
+            key = (qtype, rows, cols)
+            if key not in measured:
+                raw = device_blocks(qtype, rows, cols)
+                x = cp.random.standard_normal((t, cols), dtype=cp.float32)
+                fn = functools.partial(prefill_linear, x, raw, qtype, cols)
+                measured[key] = (_peak_pool(fn), _time(fn, repeats))
+                del raw, x, fn
+            peak, seconds = measured[key]
+            entries.append(_prefill_entry(name, qtype, [rows, cols], t, calls, 2 * t * rows * cols, seconds, peak,
+                                          matmul_rate))
+        gate, up, down = (Weight(w, f, shape, device_blocks(f, shape[0] * shape[1], shape[2]))
+                          for w, f, shape in zip(("gate", "up", "down"), formats,
+                                                 ((E, inter, D), (E, inter, D), (E, D, inter)), strict=True))
+        x = cp.random.standard_normal((t, D), dtype=cp.float32)
+        idx = cp.argsort(cp.random.random((t, E)), axis=1)[:, :k].astype(cp.int32)
+        weights = cp.random.uniform(0.1, 1.0, (t, k), dtype=cp.float32)
+        fn = functools.partial(prefill_moe, x, gate, up, down, idx, weights, 10.0)
+        peak = _peak_pool(fn)
+        entries.append(_prefill_entry("routed experts", "/".join(formats), [E, inter, D], t, L,
+                                      2 * t * k * 3 * inter * D, _time(fn, repeats), peak, matmul_rate))
+        del gate, up, down, x, idx, weights, fn
+        total = sum(e["seconds"] * e["calls_per_model"] for e in entries)
+        flops = sum(e["flop_per_s"] * e["seconds"] * e["calls_per_model"] for e in entries)
+        projection.append({"tokens": t, "layers": L, "seconds": total, "tokens_per_s": t / total,
+                           "fraction_of_matmul_roof": flops / total / matmul_rate,
+                           "peak_bytes": max(e["peak_bytes"] for e in entries)})
+        matmuls.extend(entries)
+    return {"recipe": recipe, "matmuls": matmuls, "projection": projection}
 
 
 def run_all(recipe: str = "q2", layers: int | None = None, repeats: int = 20,
-            prefill_tokens: Sequence[int] = (512, 2048)) -> dict[str, Any]:
+            prefill_tokens: Sequence[int] = (2048, 16384)) -> dict[str, Any]:
     """Every measurement of ``ds4 bench``, as a JSON-able dict."""
     import cupy as cp
 
@@ -301,7 +377,7 @@ def run_all(recipe: str = "q2", layers: int | None = None, repeats: int = 20,
                "matmul_how": how}
     results["decode"] = decode_results(recipe, layers, repeats, bandwidth)
     cp.get_default_memory_pool().free_all_blocks()
-    results["prefill"] = prefill_results(prefill_tokens, max(3, repeats // 4), rate)
+    results["prefill"] = prefill_results(prefill_tokens, max(3, repeats // 4), rate, recipe)
     results["seconds"] = time.perf_counter() - t0
     return results
 
@@ -321,8 +397,16 @@ def print_report(r: dict[str, Any]) -> None:
               f"{100 * d[f'{mode}_fraction']:5.1f}% of copy bandwidth")
     print(f"  graph replay == eager: {d['graph_matches_eager']}; "
           f"projected {d['tokens_per_s_graph_at_43_layers']:.1f} t/s for 43 layers (weight streaming only)")
-    print("prefill-shaped linear (dequantize to f32 + cuBLAS sgemm):")
-    for p in r["prefill"]:
-        print(f"  {p['qtype']:8s} {p['shape'][0]}x{p['shape'][1]} T={p['tokens']:5d}: {p['seconds'] * 1e3:8.3f} ms "
-              f"{p['flop_per_s'] / 1e12:7.1f} TFLOP/s  {100 * p['fraction_of_bf16']:5.1f}% of the matmul roof")
+    pf = r["prefill"]
+    print(f"prefill matmuls, recipe {pf['recipe']} (16-bit dequantized tiles + cuBLAS tensor cores, fp32 accumulate;"
+          " peak = CuPy pool after one call):")
+    for p in pf["matmuls"]:
+        shape = "x".join(str(v) for v in p["shape"])
+        print(f"  T={p['tokens']:5d} {p['name']:20s} {p['qtype']:17s} {shape:>14s} x{p['calls_per_model']:<4d}"
+              f"{p['seconds'] * 1e3:9.3f} ms {p['flop_per_s'] / 1e12:7.1f} TFLOP/s {100 * p['fraction_of_bf16']:5.1f}%"
+              f"  peak {p['peak_bytes'] / gb:5.2f} GB (+{p['scratch_bytes'] / gb:.2f})")
+    for p in pf["projection"]:
+        print(f"  T={p['tokens']:5d}: {p['layers']} layers' matmuls {p['seconds'] * 1e3:.1f} ms -> projected prefill "
+              f"{p['tokens_per_s']:.0f} t/s, {100 * p['fraction_of_matmul_roof']:.1f}% of the matmul roof, peak "
+              f"{p['peak_bytes'] / gb:.2f} GB (attention, norms, HC glue and output head excluded)")
     print(f"total {r['seconds']:.1f} s")

@@ -1,0 +1,288 @@
+"""Tensor-core prefill: quantized matrices times many tokens through cuBLAS 16-bit GEMMs with fp32 accumulation.
+
+Weights are dequantized by row tiles (dense) or by groups of experts (MoE) into fp16 or bf16 scratch; activations
+are converted once per call with one power-of-two scale that cuBLAS undoes through ``alpha``. The 16-bit type is
+chosen per format by accuracy (:data:`HALF_OF`): fp16 (11 significant bits) for formats whose values are small
+integers times an f16 scale, bf16 (8 bits, float32's range) where it is exact: BF16 weights and MXFP4 (E2M1 times
+a power of two, whose exponents can leave fp16's range). F32 matrices stay float32 (sgemm, read in place).
+
+Routed experts (:func:`prefill_moe`): the (token, slot) pairs are sorted by expert on the device and the
+per-expert counts read once; experts, largest first, are taken in groups that fit the scratch budget, each group
+dequantized once and multiplied with all its tokens by one strided-batched GEMM (tokens padded to the group's
+largest count), then SwiGLU, down, and a weighted write of each pair's row, summed per token in a fixed order.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import cupy as cp
+import numpy as np
+from cupy_backends.cuda.libs import cublas
+
+from ds4_core.backend import Weight
+from ds4_core.errors import BackendError
+
+from .modules import source
+
+F32 = cp.float32
+#: Weight format -> the 16-bit type its tiles are dequantized to (others: "f16").
+HALF_OF: dict[str, str] = {"BF16": "bf16", "MXFP4": "bf16", "F32": "bf16"}
+#: Dequantized weight elements per tile of :func:`prefill_linear` (64 MiB of 16-bit scratch).
+TILE_ELEMS = 1 << 25
+#: Bytes of 16-bit expert weights dequantized at once by :func:`prefill_moe`.
+MOE_WEIGHT_SCRATCH = 1 << 30
+#: Bytes of per-row buffers (padded activations, gate|up, h, down output) of one expert group.
+MOE_ROW_SCRATCH = 1 << 29
+#: Tokens per pass of :func:`prefill_moe`; each pass reads the selected experts' weights once.
+MOE_TOKENS_PER_PASS = 8192
+
+_CUDA_TYPE = {"f16": 2, "bf16": 14}  # cudaDataType: CUDA_R_16F, CUDA_R_16BF
+_CUDA_R_32F = 0
+_OP_N, _OP_T = 0, 1
+_COMPUTE_32F = 68  # CUBLAS_COMPUTE_32F: fp32 accumulation
+_GEMM_DEFAULT = -1
+_POINTER_MODE_DEVICE = 1
+_OUT_TYPE = {"f16": "Half", "bf16": "BHalf"}
+_THREADS = 256
+_TILE_ALIGN = 128  # tile rows rounded down to a multiple of this (cuBLAS tile shapes)
+
+_amax = cp.ReductionKernel("float32 x", "float32 y", "fabsf(x)", "fmaxf(a, b)", "y = a", "0", "ds4_amax")
+
+
+def _i32(v: int) -> np.int32:
+    return np.int32(v)
+
+
+def _i64(v: int) -> np.int64:
+    return np.int64(v)
+
+
+def half_of(qtype: str) -> str:
+    """The 16-bit type (``"f16"`` or ``"bf16"``) weights of format ``qtype`` are dequantized to."""
+    return HALF_OF.get(qtype, "f16")
+
+
+@functools.cache
+def _module(qtype: str) -> Any:
+    """quant.cu + prefill.cu with the 16-bit dequantizer of ``qtype`` and the shared prefill kernels."""
+    names = [f"dequant16<{qtype}, {o}>" for o in _OUT_TYPE.values()]
+    names += [f"{k}<{o}>" for k in ("to16", "swiglu16") for o in _OUT_TYPE.values()]
+    module = cp.RawModule(code=source("quant.cu") + "\n" + source("prefill.cu"), options=("--std=c++17",),
+                          name_expressions=names)
+    if qtype == "IQ2_XXS":
+        from ds4_core.quants import iq2xxs_tables
+
+        grid, _ = iq2xxs_tables()
+        table = cp.ndarray((grid.size,), cp.uint8, module.get_global("iq2xxs_grid"))
+        table[...] = cp.asarray(grid.astype(np.uint8).reshape(-1))
+    return module
+
+
+def _kernel(qtype: str, name: str) -> Any:
+    return _module(qtype).get_function(name)
+
+
+def _shared(name: str) -> Any:
+    """A kernel that does not depend on the weight format (compiled with the F16 module)."""
+    return _kernel("F16", name)
+
+
+def warm(qtypes: tuple[str, ...]) -> None:
+    """Compile (or load from CuPy's cache) the prefill kernels of ``qtypes`` now rather than at the first prompt."""
+    for qtype in qtypes:
+        for o in _OUT_TYPE.values():
+            _kernel(qtype, f"dequant16<{qtype}, {o}>")
+    for name in ("gather16", "scatter_pairs", *(f"{k}<{o}>" for k in ("to16", "swiglu16") for o in _OUT_TYPE.values())):
+        _shared(name)
+
+
+def dequantize16(raw: Any, qtype: str, ncols: int, half: str, out: Any, matrix_rows: int = 0,
+                 experts: Any = None, out_stride: int = 0) -> None:
+    """Rows of raw blocks as 16-bit ``half`` values into ``out`` (uint16 bits; ``ncols % 8 == 0``).
+
+    Dense: ``raw [R, row bytes]`` -> ``out [R, ncols]``. Experts: ``raw`` holds matrices of ``matrix_rows`` rows;
+    matrix ``experts[j]`` (int32 device ``[n]``) goes to ``out`` at ``j * out_stride`` elements, ``[matrix_rows,
+    ncols]`` each.
+    """
+    if ncols % 8:
+        raise BackendError(f"16-bit dequantization needs rows of a multiple of 8 values, not {ncols}")
+    row_bytes = raw.shape[1]
+    nrows = matrix_rows or raw.shape[0]
+    groups = 1 if experts is None else experts.shape[0]
+    units = nrows * ncols // 8
+    if units == 0 or groups == 0:
+        return
+    kernel = _kernel(qtype, f"dequant16<{qtype}, {_OUT_TYPE[half]}>")
+    kernel((-(-units // _THREADS), groups), (_THREADS,),
+           (raw, _i64(nrows * row_bytes), _i64(row_bytes), _i32(nrows), _i32(ncols),
+            np.uint64(0) if experts is None else experts, _i64(out_stride), out))
+
+
+def to16(x: Any, half: str) -> tuple[Any, Any]:
+    """``x`` (float32, contiguous) as 16-bit ``half`` times one power of two s; -> (bits, device ``[1/s, 0]``).
+
+    s brings ``max|x|`` into [2^13, 2^14): in fp16 nothing overflows and values down to 2^-27 of the largest stay
+    normal numbers. The pair is the ``alpha, beta`` of a GEMM that undoes s.
+    """
+    out = cp.empty(x.shape, dtype=cp.uint16)
+    alpha_beta = cp.empty(2, dtype=F32)
+    n = x.size
+    _shared(f"to16<{_OUT_TYPE[half]}>")((max(1, -(-n // _THREADS)),), (_THREADS,),
+                                        (x, _i64(n), _amax(x), out, alpha_beta))
+    return out, alpha_beta
+
+
+def _gemm_nt(w16: Any, half: str, x16: Any, out: Any, m: int, n: int, k: int, ldc: int, alpha_beta: Any,
+             batch: int = 1, stride_w: int = 0, stride_x: int = 0, stride_out: int = 0) -> None:
+    """``out[b, t, r] = alpha · Σ_c w16[b, r, c] x16[b, t, c]`` (fp32 accumulate and output; ``r < m``, ``t < n``,
+    ``c < k``); ``out`` a device pointer whose rows are ``ldc`` floats apart. Scalars read on the device."""
+    handle = cp.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+    mode = cublas.getPointerMode(handle)
+    cublas.setPointerMode(handle, _POINTER_MODE_DEVICE)
+    kind = _CUDA_TYPE[half]
+    alpha, beta = alpha_beta.data.ptr, alpha_beta.data.ptr + 4
+    try:
+        if batch == 1:
+            cublas.gemmEx(handle, _OP_T, _OP_N, m, n, k, alpha, w16.data.ptr, kind, k, x16.data.ptr, kind, k, beta,
+                          out, _CUDA_R_32F, ldc, _COMPUTE_32F, _GEMM_DEFAULT)
+        else:
+            cublas.gemmStridedBatchedEx(handle, _OP_T, _OP_N, m, n, k, alpha, w16.data.ptr, kind, k, stride_w,
+                                        x16.data.ptr, kind, k, stride_x, beta, out, _CUDA_R_32F, ldc, stride_out,
+                                        batch, _COMPUTE_32F, _GEMM_DEFAULT)
+    finally:
+        cublas.setPointerMode(handle, mode)
+
+
+def _tile_rows(nrows: int, ncols: int) -> int:
+    rows = max(1, TILE_ELEMS // ncols)
+    if rows >= _TILE_ALIGN:
+        rows -= rows % _TILE_ALIGN
+    return min(rows, nrows)
+
+
+def prefill_linear(x: Any, raw: Any, qtype: str, ncols: int) -> Any:
+    """``x [T, ncols] @ W.T`` for raw rows ``W [R, row bytes]`` on tensor cores -> float32 ``[T, R]``.
+
+    Quantized ``W`` is dequantized by tiles of :data:`TILE_ELEMS` elements; F16 and BF16 rows are the GEMM's
+    operand in place; F32 goes through float32 sgemm. Scratch: one tile plus ``x`` in 16 bits.
+    """
+    x = cp.ascontiguousarray(x, dtype=F32)
+    T, nrows = x.shape[0], raw.shape[0]
+    out = cp.empty((T, nrows), dtype=F32)
+    if T == 0 or nrows == 0:
+        return out
+    raw = cp.ascontiguousarray(raw)
+    if qtype == "F32":
+        return cp.matmul(x, raw.view(F32).reshape(nrows, ncols).T, out=out)
+    half = half_of(qtype)
+    x16, alpha_beta = to16(x, half)
+    if qtype in ("F16", "BF16"):
+        _gemm_nt(raw, half, x16, out.data.ptr, nrows, T, ncols, nrows, alpha_beta)
+        return out
+    step = _tile_rows(nrows, ncols)
+    tile = cp.empty((step, ncols), dtype=cp.uint16)
+    for r0 in range(0, nrows, step):
+        n = min(step, nrows - r0)
+        dequantize16(raw[r0:r0 + n], qtype, ncols, half, tile)
+        _gemm_nt(tile, half, x16, out.data.ptr + 4 * r0, n, T, ncols, nrows, alpha_beta)
+    return out
+
+
+def _expert_groups(counts: np.ndarray, weight_bytes: int, row_bytes: int) -> list[tuple[int, int, int]]:
+    """(first, end, padded tokens) of consecutive experts (counts descending) that fit the scratch budgets."""
+    most = max(1, MOE_WEIGHT_SCRATCH // weight_bytes)
+    groups, j = [], 0
+    while j < len(counts):
+        m_pad = -(-int(counts[j]) // 8) * 8
+        n = min(most, len(counts) - j, max(1, MOE_ROW_SCRATCH // (m_pad * row_bytes)))
+        groups.append((j, j + n, m_pad))
+        j += n
+    return groups
+
+
+def prefill_moe(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, idx: Any, weights: Any,
+                swiglu_limit: float) -> Any:
+    """``Σ_j weights[t, j] · Expert_{idx[t, j]}(x[t])`` for ``x [T, D]`` on tensor cores -> float32 ``[T, D]``.
+
+    Same semantics as :func:`ds4_backend_cuda.ops.moe_experts`: ``gate_exps``/``up_exps`` ``[E, I, D]``,
+    ``down_exps`` ``[E, D, I]``, ``idx`` int ``[T, k]`` (negative ids contribute nothing), ``weights [T, k]``.
+    ``D`` and ``I`` must be multiples of 8. Tokens go in passes of :data:`MOE_TOKENS_PER_PASS`; one host read of
+    the per-expert counts per pass.
+    """
+    _, inter, D = gate_exps.shape
+    if D % 8 or inter % 8:
+        raise BackendError(f"prefill_moe needs expert rows of a multiple of 8 values, not {D} and {inter}; "
+                           "use ops.moe_experts")
+    x = cp.ascontiguousarray(x, dtype=F32)
+    idx = cp.asarray(idx, dtype=cp.int32)
+    weights = cp.ascontiguousarray(weights, dtype=F32)
+    T = x.shape[0]
+    if T <= MOE_TOKENS_PER_PASS:
+        return _moe_pass(x, gate_exps, up_exps, down_exps, idx, weights, swiglu_limit)
+    out = cp.empty((T, D), dtype=F32)
+    for t0 in range(0, T, MOE_TOKENS_PER_PASS):
+        t1 = min(T, t0 + MOE_TOKENS_PER_PASS)
+        out[t0:t1] = _moe_pass(x[t0:t1], gate_exps, up_exps, down_exps, idx[t0:t1], weights[t0:t1], swiglu_limit)
+    return out
+
+
+def _moe_pass(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, idx: Any, weights: Any,
+              swiglu_limit: float) -> Any:
+    E, inter, D = gate_exps.shape
+    T, k = idx.shape
+    flat = cp.ascontiguousarray(idx.reshape(-1))
+    key = cp.where((flat < 0) | (flat >= E), E, flat)
+    pairs = cp.argsort(key).astype(cp.int32)  # (token, slot) ids grouped by expert
+    counts = cp.asnumpy(cp.bincount(key, minlength=E + 1))[:E]  # the one host read of the pass
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    active = np.argsort(-counts, kind="stable")
+    active = active[counts[active] > 0]
+    ypairs = cp.zeros((T * k, D), dtype=F32)
+    if active.size:
+        gu_half = half_of(gate_exps.qtype) if half_of(gate_exps.qtype) == half_of(up_exps.qtype) else "bf16"
+        down_half = half_of(down_exps.qtype)
+        x16, alpha_beta = to16(x, gu_half)
+        one_zero = cp.zeros(2, dtype=F32)
+        one_zero[0] = 1
+        experts = cp.asarray(active.astype(np.int32))
+        seg_off = cp.asarray(starts[active].astype(np.int32))
+        seg_cnt = cp.asarray(counts[active].astype(np.int32))
+        weight_bytes = 2 * 3 * inter * D
+        row_bytes = 2 * D + 4 * 2 * inter + 2 * inter + 4 * D + 4
+        groups = _expert_groups(counts[active], weight_bytes, row_bytes)
+        most = max(b - a for a, b, _ in groups)
+        rows = max((b - a) * m for a, b, m in groups)
+        w_gu = cp.empty((most, 2 * inter, D), dtype=cp.uint16)
+        w_down = cp.empty((most, D, inter), dtype=cp.uint16)
+        xp, gu = cp.empty((rows, D), dtype=cp.uint16), cp.empty((rows, 2 * inter), dtype=F32)
+        h, hs, y = cp.empty((rows, inter), dtype=cp.uint16), cp.empty(rows, dtype=F32), cp.empty((rows, D), F32)
+        for a, b, m_pad in groups:
+            _expert_group(x16, alpha_beta, one_zero, gate_exps, up_exps, down_exps, experts[a:b], seg_off[a:b],
+                          seg_cnt[a:b], m_pad, pairs, k, weights, swiglu_limit, gu_half, down_half,
+                          (w_gu, w_down, xp, gu, h, hs, y), ypairs)
+    return ypairs.reshape(T, k, D).sum(axis=1)
+
+
+def _expert_group(x16: Any, alpha_beta: Any, one_zero: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight,
+                  experts: Any, seg_off: Any, seg_cnt: Any, m_pad: int, pairs: Any, k: int, weights: Any,
+                  limit: float, gu_half: str, down_half: str, buffers: tuple, ypairs: Any) -> None:
+    """One group of experts: dequantize, gather, gate|up GEMM, SwiGLU, down GEMM, weighted scatter."""
+    w_gu, w_down, xp, gu, h, hs, y = buffers
+    _, inter, D = gate_exps.shape
+    n = experts.shape[0]
+    grid_rows = (m_pad, n)
+    for w, offset in ((gate_exps, 0), (up_exps, inter * D)):
+        dequantize16(w.data, w.qtype, D, gu_half, w_gu.reshape(-1)[offset:], inter, experts, 2 * inter * D)
+    dequantize16(down_exps.data, down_exps.qtype, inter, down_half, w_down, D, experts, D * inter)
+    _shared("gather16")(grid_rows, (128,), (x16, _i32(D), pairs, _i32(k), seg_off, seg_cnt, _i32(m_pad), xp))
+    _gemm_nt(w_gu, gu_half, xp, gu.data.ptr, 2 * inter, m_pad, D, 2 * inter, alpha_beta, n, 2 * inter * D,
+             m_pad * D, m_pad * 2 * inter)
+    _shared(f"swiglu16<{_OUT_TYPE[down_half]}>")(grid_rows, (_THREADS,),
+                                                 (gu, _i32(inter), F32(limit), seg_cnt, _i32(m_pad), h, hs))
+    _gemm_nt(w_down, down_half, h, y.data.ptr, D, m_pad, inter, D, one_zero, n, D * inter, m_pad * inter,
+             m_pad * D)
+    _shared("scatter_pairs")(grid_rows, (128,), (y, _i32(D), hs, pairs, weights, seg_off, seg_cnt, _i32(m_pad),
+                                                 ypairs))

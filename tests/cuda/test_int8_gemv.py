@@ -1,0 +1,226 @@
+"""The integer decode path (int8 activations, ``__dp4a``) against the numpy reference ops.
+
+Error bound: each block b of 32 activations becomes ``q · d_b`` with ``d_b = max|x_b| / 127`` and
+``|x - q · d_b| <= d_b / 2``, and the integer dot products are exact, so for a row whose element i is
+``a_i · code_i - m_i`` (``m_i`` the Q2_K min term, applied to the exact activation sums, else 0)
+
+    |y_int8 - y| <= ½ Σ_i |a_i code_i| d_b(i)          (worst case)
+    rms(y_int8 - y) ≈ sqrt(Σ_i (a_i code_i)² d_b(i)² / 12)   (independent uniform rounding)
+
+plus float32 rounding. Each kernel is checked three ways: against a numpy emulation of the int8 activations (float
+tolerance), against the reference op within the worst-case bound, and its error's RMS against the prediction.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ds4_core import ops as ref
+from ds4_core.backend import Weight
+from ds4_core.quants import block_geometry, dequantize, random_blocks
+
+pytestmark = pytest.mark.gpu
+
+INT8_TYPES = ("Q8_0", "Q2_K", "IQ2_XXS")
+
+
+def _pair(backend, qtype: str, shape: tuple[int, ...], rng: np.random.Generator) -> tuple[Weight, Weight, np.ndarray]:
+    """(numpy reference weight, CUDA weight, per-element min offsets m_i) holding the same random blocks."""
+    qk, nbytes = block_geometry(qtype)
+    raw = random_blocks(qtype, int(np.prod(shape)) // qk, rng).reshape(-1)
+    mins = np.zeros(shape, dtype=np.float64)
+    if qtype == "Q2_K":  # m_i = dmin · (scale byte >> 4) of element i's 16-element sub-block
+        blocks = raw.reshape(-1, nbytes)
+        dmin = blocks[:, 82:84].copy().view(np.float16).astype(np.float64)
+        mins = np.repeat(dmin * (blocks[:, :16] >> 4), 16, axis=1).reshape(shape)
+    return (Weight("w", qtype, shape, dequantize(raw, qtype, shape)), backend.upload("w", qtype, shape, raw), mins)
+
+
+def _activations(rng: np.random.Generator, rows: int, ncols: int) -> np.ndarray:
+    """Gaussian rows whose 32-blocks have scales over two decades, and one all-zero block."""
+    scale = 10.0 ** rng.uniform(-1, 1, (rows, ncols // 32, 1))
+    x = (rng.standard_normal((rows, ncols // 32, 32)) * scale).astype(np.float32)
+    x[0, 1] = 0
+    return x.reshape(rows, ncols)
+
+
+def _quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(q int8, d float32 per block of 32) computed as the kernel does: q = rint(x · (127 / max|x|))."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = np.abs(blocks).max(axis=-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, np.float32(1)), np.float32(0))
+    q = np.rint(blocks * inv.astype(np.float32)).astype(np.int8)
+    return q.reshape(x.shape), (amax / np.float32(127)).astype(np.float32)[..., 0]
+
+
+def _check(got: np.ndarray, x: np.ndarray, w: np.ndarray, mins: np.ndarray) -> None:
+    """``got [T, R]`` against ``x [T, C] @ w.T`` with int8 activations (emulation, bound and RMS as in the doc)."""
+    q, d = _quantize(x)
+    d_cols = np.repeat(d.astype(np.float64), 32, axis=1)
+    x_hat = q * d_cols
+    scaled = w.astype(np.float64) + mins  # a_i code_i
+    # min terms use the exact activation sums, the scaled codes the int8 activations
+    emulated = x_hat @ scaled.T - x.astype(np.float64) @ mins.T
+    magnitude = np.abs(x_hat) @ np.abs(scaled).T + np.abs(x) @ np.abs(mins).T
+    np.testing.assert_array_less(np.abs(got - emulated), 1e-5 * magnitude + 1e-30)
+    want = ref.linear(x, Weight("w", "F32", w.shape, w)).astype(np.float64)
+    worst = 0.5 * d_cols @ np.abs(scaled).T
+    float_err = 1e-6 * (np.abs(x) @ np.abs(scaled).T) * np.sqrt(x.shape[1])
+    err = np.abs(got - want)
+    np.testing.assert_array_less(err, worst * (1 + 1e-4) + float_err + 1e-30)
+    predicted = np.sqrt(np.mean((d_cols**2 / 12) @ (scaled**2).T))
+    assert 0.5 * predicted < np.sqrt(np.mean(err**2)) < 1.5 * predicted
+
+
+def test_quantize_activations_rounds_to_nearest(cuda_backend, rng):
+    from ds4_backend_cuda.ops import quantize_activations
+
+    x = _activations(rng, 3, 1024)
+    stride = 1056  # rows of a wider buffer
+    buf = np.zeros((3, stride), dtype=np.float32)
+    buf[:, :1024] = x
+    launch, (q, d, sums) = quantize_activations(cuda_backend.asarray(buf), 1024, 3, stride)
+    kernel, grid, block, args = launch
+    kernel(grid, block, args)
+    want_q, want_d = _quantize(x)
+    np.testing.assert_array_equal(cuda_backend.to_numpy(q), want_q)
+    np.testing.assert_array_equal(cuda_backend.to_numpy(d), want_d)
+    np.testing.assert_allclose(cuda_backend.to_numpy(sums), x.reshape(3, -1, 16).sum(-1), rtol=1e-5, atol=1e-6)
+    rounding = np.abs(x - want_q * np.repeat(want_d, 32, axis=1))
+    assert np.all(rounding <= np.repeat(want_d, 32, axis=1) * (0.5 + 1e-6))
+
+
+@pytest.mark.parametrize("qtype", INT8_TYPES)
+def test_gemv_int8_within_the_rounding_bound(cuda_backend, qtype, rng):
+    from ds4_backend_cuda.ops import gemv_launch
+
+    w_ref, w, mins = _pair(cuda_backend, qtype, (67, 1536), rng)
+    x = _activations(rng, 1, 1536)
+    y = cuda_backend.xp.empty((1, 67), dtype=np.float32)
+    kernel, grid, block, args = gemv_launch(w.data, qtype, 1536, cuda_backend.asarray(x), 1, y, int8=True)
+    kernel(grid, block, args)
+    _check(cuda_backend.to_numpy(y), x, w_ref.data, mins)
+
+
+def test_grouped_gemv_int8(cuda_backend, rng):
+    from ds4_backend_cuda.ops import gemv_launch
+
+    groups, rows, ncols = 4, 24, 256
+    w_ref, w, mins = _pair(cuda_backend, "Q8_0", (groups * rows, ncols), rng)
+    x = _activations(rng, 1, groups * ncols)
+    y = cuda_backend.xp.empty((1, groups * rows), dtype=np.float32)
+    kernel, grid, block, args = gemv_launch(w.data, "Q8_0", ncols, cuda_backend.asarray(x), 1, y, groups * ncols,
+                                            rows, int8=True)
+    kernel(grid, block, args)
+    got = cuda_backend.to_numpy(y).reshape(groups, rows)
+    for g in range(groups):
+        sl = slice(g * rows, (g + 1) * rows)
+        _check(got[g][None], x[:, g * ncols:(g + 1) * ncols], w_ref.data[sl], mins[sl])
+
+
+def _moe_case(backend, qtype: str, rng: np.random.Generator):
+    E, rows, ncols, T, k = 4, 36, 512, 2, 3
+    w_ref, w, mins = _pair(backend, qtype, (E, rows, ncols), rng)
+    idx = np.array([2, -1, 0, 3, 2, 1], dtype=np.int32)
+    return w_ref, w, mins, _activations(rng, T, ncols), idx, k
+
+
+@pytest.mark.parametrize("qtype", INT8_TYPES)
+def test_moe_gemv_int8(cuda_backend, qtype, rng):
+    from ds4_backend_cuda.ops import moe_gemv_launch
+
+    w_ref, w, mins, x, idx, k = _moe_case(cuda_backend, qtype, rng)
+    y = cuda_backend.xp.full((idx.size, w.shape[1]), np.nan, dtype=np.float32)
+    kernel, grid, block, args = moe_gemv_launch(w, cuda_backend.asarray(idx), cuda_backend.asarray(x), k, y,
+                                                int8=True)
+    kernel(grid, block, args)
+    got = cuda_backend.to_numpy(y)
+    for p, e in enumerate(idx):
+        if e < 0:
+            np.testing.assert_array_equal(got[p], 0)
+        else:
+            _check(got[p][None], x[p // k][None], w_ref.data[e], mins[e])
+
+
+def _silu(g: np.ndarray) -> np.ndarray:
+    return g / (1 + np.exp(-g))
+
+
+@pytest.mark.parametrize("qtype", INT8_TYPES)
+@pytest.mark.parametrize("limit", [0.0, 0.8])
+def test_moe_gate_up_int8(cuda_backend, qtype, limit, rng):
+    from ds4_backend_cuda.ops import moe_gate_up_launch
+
+    g_ref, g, g_mins, x, idx, k = _moe_case(cuda_backend, qtype, rng)
+    u_ref, u, u_mins = _pair(cuda_backend, qtype, g.shape, rng)
+    h = cuda_backend.xp.full((idx.size, g.shape[1]), np.nan, dtype=np.float32)
+    kernel, grid, block, args = moe_gate_up_launch(g, u, cuda_backend.asarray(idx), cuda_backend.asarray(x), k,
+                                                   limit, h, int8=True)
+    kernel(grid, block, args)
+    got = cuda_backend.to_numpy(h)
+    for p, e in enumerate(idx):
+        if e < 0:
+            np.testing.assert_array_equal(got[p], 0)
+            continue
+        xt = x[p // k][None]
+        gate, up = (ref.linear(xt, Weight("w", "F32", w.shape[1:], w.data[e]))[0].astype(np.float64)
+                    for w in (g_ref, u_ref))
+        _, d = _quantize(xt)
+        d_cols = np.repeat(d.astype(np.float64), 32, axis=1)[0]
+        dg, du = (0.5 * d_cols @ np.abs(w.data[e] + m[e]).T * (1 + 1e-4) + 1e-5 * np.abs(xt[0]) @ np.abs(w.data[e]).T
+                  for w, m in ((g_ref, g_mins), (u_ref, u_mins)))
+        want = ref.swiglu(gate.astype(np.float32), up.astype(np.float32), limit).astype(np.float64)
+        bound = 1.1 * dg * (np.abs(up) + du) + (np.abs(_silu(gate)) + 0.3 + 1.1 * dg) * du
+        np.testing.assert_array_less(np.abs(got[p] - want), bound + 1e-6 * np.abs(want) + 1e-30)
+    assert np.isfinite(got).all()
+
+
+def test_graph_replay_equals_eager(cuda_backend, rng):
+    import cupy as cp
+    from ds4_backend_cuda.ops import gemv_launch, moe_gate_up_launch, moe_gemv_launch
+
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        _, w8, _ = _pair(cuda_backend, "Q8_0", (40, 512), rng)
+        _, gate, _ = _pair(cuda_backend, "IQ2_XXS", (4, 64, 512), rng)
+        _, up, _ = _pair(cuda_backend, "IQ2_XXS", (4, 64, 512), rng)
+        _, down, _ = _pair(cuda_backend, "Q2_K", (4, 512, 256), rng)
+        x = cp.asarray(_activations(rng, 1, 512))
+        idx = cp.asarray(np.array([3, 0, 2], dtype=np.int32))
+        y, h, out = (cp.empty(shape, dtype=cp.float32) for shape in ((1, 40), (3, 64), (3, 512)))
+        x_down = cp.asarray(_activations(rng, 3, 256))
+        launches = [gemv_launch(w8.data, "Q8_0", 512, x, 1, y, int8=True),
+                    moe_gate_up_launch(gate, up, idx, x, 3, 0.0, h, int8=True),
+                    moe_gemv_launch(down, idx, x_down, 1, out, int8=True)]
+        for kernel, grid, block, args in launches:
+            kernel(grid, block, args)
+        eager = [cp.asnumpy(o) for o in (y, h, out)]
+        for o in (y, h, out):
+            o.fill(np.nan)
+        stream.begin_capture()
+        for kernel, grid, block, args in launches:
+            kernel(grid, block, args)
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+        for want, got in zip(eager, (y, h, out), strict=True):
+            np.testing.assert_array_equal(cp.asnumpy(got), want)
+    assert all(np.isfinite(e).all() for e in eager)
+
+
+def test_environment_switch_selects_the_path(cuda_backend, monkeypatch, rng):
+    from ds4_backend_cuda import ops
+
+    _, w, _ = _pair(cuda_backend, "Q8_0", (32, 256), rng)
+    x = cuda_backend.asarray(_activations(rng, 1, 256))
+    results = {}
+    for int8 in (False, True):
+        y = cuda_backend.xp.empty((1, 32), dtype=np.float32)
+        kernel, grid, block, args = ops.gemv_launch(w.data, "Q8_0", 256, x, 1, y, int8=int8)
+        kernel(grid, block, args)
+        results[int8] = cuda_backend.to_numpy(y)
+    assert not np.array_equal(results[False], results[True])
+    for env, int8 in (("1", True), ("0", False)):
+        monkeypatch.setenv(ops.INT8_ENV, env)
+        np.testing.assert_array_equal(cuda_backend.to_numpy(ops.linear(x, w)), results[int8])

@@ -1,0 +1,175 @@
+"""Tensor-core prefill (``ds4_backend_cuda.prefill``) against the numpy oracle on random valid quant blocks.
+
+Tolerance, from the rounding of the 16-bit operands: with u the unit roundoff of the type a format is multiplied
+in (fp16: 2^-11, bf16: 2^-8; F32 stays float32, u = 0), a product of two rounded operands is off by at most
+(2u + u²)·|x·w|, and a float32 sum of n terms (the GEMM's and the oracle's) by at most n·2^-24·Σ|x·w| each. So
+``|got - want| <= (2u + u² + 2n·2^-24) · (|x| @ |w|.T)``, plus 2^-38·max|x|·Σ|w| for activations that fall
+below fp16's normal range after the power-of-two scaling (which puts max|x| in [2^13, 2^14)).
+
+That worst-case bound is loose by about sqrt(n), and through SwiGLU and a second matmul (MoE) it says little, so
+results are also compared with an emulation: the same 16-bit roundings done by numpy (float16 casts; bf16 by
+round-to-nearest-even of the float32 bits) in float64. A linear may differ from it only by float32 summation
+(the bound above with u = 0); the MoE by that and an occasional flipped rounding of the SwiGLU output, so its
+distance to the emulation must be well under (a quarter of) the emulation's distance to the float32 oracle: the
+GPU is as accurate as the 16-bit rounding allows, and no less.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ds4_core import ops as ref
+from ds4_core.backend import Weight
+from ds4_core.quants import block_geometry, dequantize, random_blocks
+
+pytestmark = pytest.mark.gpu
+
+QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q2_K", "IQ2_XXS", "MXFP4")
+UNIT = {"f16": 2.0**-11, "bf16": 2.0**-8}
+SUM = 2.0**-24
+
+
+def _pair(backend, qtype: str, shape: tuple[int, ...], rng: np.random.Generator) -> tuple[Weight, Weight]:
+    """(numpy reference weight, CUDA weight) holding the same random blocks."""
+    qk, _ = block_geometry(qtype)
+    raw = random_blocks(qtype, int(np.prod(shape)) // qk, rng).reshape(-1)
+    return Weight("w", qtype, shape, dequantize(raw, qtype, shape)), backend.upload("w", qtype, shape, raw)
+
+
+def _unit(qtype: str) -> float:
+    from ds4_backend_cuda.prefill import half_of
+
+    return 0.0 if qtype == "F32" else UNIT[half_of(qtype)]
+
+
+def _round16(a: np.ndarray, half: str) -> np.ndarray:
+    """``a`` rounded to fp16 or bf16 (nearest even), as float64."""
+    if half == "f16":
+        return np.asarray(a, dtype=np.float32).astype(np.float16).astype(np.float64)
+    bits = np.asarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16).astype(np.uint32)
+    return bits.view(np.float32).astype(np.float64)
+
+
+def _scaled16(a: np.ndarray, half: str) -> np.ndarray:
+    """``a`` as the kernels hold it: times the power of two putting max|a| in [2^13, 2^14), rounded, scaled back."""
+    _, e = np.frexp(np.float32(np.abs(a).max()))
+    s = 2.0 ** min(14 - int(e), 126)
+    return _round16(np.asarray(a, dtype=np.float32) * np.float32(s), half) / s
+
+
+def _linear_bound(x: np.ndarray, w: np.ndarray, u: float) -> np.ndarray:
+    ax, aw = np.abs(x.astype(np.float64)), np.abs(w.astype(np.float64))
+    return ((2 * u + u * u + 2 * x.shape[-1] * SUM) * (ax @ aw.T) + 2.0**-38 * ax.max() * aw.sum(1)[None, :]
+            + 1e-30)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("tile_rows", [None, 64])
+def test_prefill_linear_matches_the_oracle(cuda_backend, qtype, tile_rows, rng, monkeypatch):
+    from ds4_backend_cuda import prefill
+
+    if tile_rows:  # several tiles, the last one partial
+        monkeypatch.setattr(prefill, "TILE_ELEMS", tile_rows * 768)
+    w_ref, w = _pair(cuda_backend, qtype, (200, 768), rng)
+    x = rng.standard_normal((48, 768), dtype=np.float32) * rng.uniform(0.01, 100, (48, 1)).astype(np.float32)
+    got = cuda_backend.to_numpy(prefill.prefill_linear(cuda_backend.asarray(x), w.data, qtype, 768))
+    want = ref.linear(x, w_ref)
+    assert got.shape == want.shape == (48, 200)
+    err = np.abs(got.astype(np.float64) - want)
+    bound = _linear_bound(x, w_ref.data, _unit(qtype))
+    assert np.all(err <= bound), f"worst error / bound: {np.max(err / bound):.3g}"
+    if qtype != "F32":  # the same roundings in numpy: only the float32 summation differs
+        half = prefill.half_of(qtype)
+        x16, w16 = _scaled16(x, half), _round16(w_ref.data, half)
+        emulated = x16 @ w16.T
+        assert np.all(np.abs(got - emulated) <= _linear_bound(x16, w16, 0.0))
+
+
+@pytest.mark.parametrize("qtype", ["F16", "BF16", "F32"])
+def test_prefill_linear_odd_float_widths(cuda_backend, qtype, rng):
+    from ds4_backend_cuda import prefill
+
+    w_ref, w = _pair(cuda_backend, qtype, (37, 13), rng)
+    x = rng.standard_normal((40, 13), dtype=np.float32)
+    got = cuda_backend.to_numpy(prefill.prefill_linear(cuda_backend.asarray(x), w.data, qtype, 13))
+    assert np.all(np.abs(got - ref.linear(x, w_ref)) <= _linear_bound(x, w_ref.data, _unit(qtype)))
+
+
+def test_prefill_linear_scales_activations_out_of_fp16_range(cuda_backend, rng):
+    """Activations of 1e6 (fp16 overflows at 65504) and 1e-6 (subnormal) keep their precision."""
+    from ds4_backend_cuda import prefill
+
+    w_ref, w = _pair(cuda_backend, "Q8_0", (64, 256), rng)
+    for scale in (1e6, 1e-6):
+        x = rng.standard_normal((40, 256), dtype=np.float32) * np.float32(scale)
+        got = cuda_backend.to_numpy(prefill.prefill_linear(cuda_backend.asarray(x), w.data, "Q8_0", 256))
+        assert np.all(np.abs(got - ref.linear(x, w_ref)) <= _linear_bound(x, w_ref.data, UNIT["f16"]))
+
+
+def _silu(v: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return v / (1.0 + np.exp(-v))
+
+
+def _moe_emulated(x, g, u, d, idx, weights, limit, gu_half, down_half, dtype=np.float64) -> np.ndarray:
+    """The MoE with the kernels' 16-bit roundings, computed in ``dtype``."""
+    x16 = _scaled16(x, gu_half).astype(dtype)
+    out = np.zeros(x.shape, dtype=dtype)
+    for t, j in zip(*np.nonzero(idx >= 0), strict=True):
+        wg, wu = (_round16(m[idx[t, j]], gu_half).astype(dtype) for m in (g, u))
+        gc, uc = wg @ x16[t], wu @ x16[t]
+        if limit > 0:
+            gc, uc = np.minimum(gc, limit), np.clip(uc, -limit, limit)
+        h16 = _scaled16((_silu(gc) * uc).astype(np.float32), down_half).astype(dtype)
+        out[t] += dtype(weights[t, j]) * (_round16(d[idx[t, j]], down_half).astype(dtype) @ h16)
+    return out
+
+
+@pytest.mark.parametrize("gate_type,up_type,down_type", [("IQ2_XXS", "IQ2_XXS", "Q2_K"), ("Q4_K", "Q4_K", "Q4_K"),
+                                                         ("MXFP4", "MXFP4", "Q8_0"), ("F16", "F16", "BF16"),
+                                                         ("Q8_0", "MXFP4", "Q6_K")])
+@pytest.mark.parametrize("small_budgets", [False, True])
+def test_prefill_moe_matches_the_oracle(cuda_backend, gate_type, up_type, down_type, small_budgets, rng,
+                                        monkeypatch):
+    from ds4_backend_cuda import prefill
+
+    E, inter, D, k, T, limit = 8, 256, 512, 3, 40, 0.8
+    if small_budgets:  # several token passes and expert groups of one or two experts
+        monkeypatch.setattr(prefill, "MOE_TOKENS_PER_PASS", 16)
+        monkeypatch.setattr(prefill, "MOE_WEIGHT_SCRATCH", 2 * 6 * inter * D)
+    g_ref, g = _pair(cuda_backend, gate_type, (E, inter, D), rng)
+    u_ref, u = _pair(cuda_backend, up_type, (E, inter, D), rng)
+    d_ref, d = _pair(cuda_backend, down_type, (E, D, inter), rng)
+    x = rng.standard_normal((T, D), dtype=np.float32)
+    idx = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+    idx[:T // 2, 0] = rng.integers(0, 2, T // 2)  # uneven counts: experts 0 and 1 take many more tokens
+    for t in range(T // 2):
+        idx[t, 1:] = [e for e in rng.permutation(E) if e != idx[t, 0]][:k - 1]
+    weights = rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
+    idx_dev = idx.copy()
+    idx_dev[3, 2] = -1  # a slot without an expert contributes nothing
+    weights_ref = weights.copy()
+    weights_ref[3, 2] = 0
+    want = ref.moe_experts(x, g_ref, u_ref, d_ref, idx, weights_ref, limit)
+    xp = cuda_backend.asarray
+    got = cuda_backend.to_numpy(prefill.prefill_moe(xp(x), g, u, d, xp(idx_dev), xp(weights), limit))
+    again = cuda_backend.to_numpy(prefill.prefill_moe(xp(x), g, u, d, xp(idx_dev), xp(weights), limit))
+    np.testing.assert_array_equal(got, again)  # a fixed summation order
+    gu_half = prefill.half_of(gate_type) if prefill.half_of(gate_type) == prefill.half_of(up_type) else "bf16"
+    emulated = _moe_emulated(x, g_ref.data, u_ref.data, d_ref.data, idx_dev, weights, limit, gu_half,
+                             prefill.half_of(down_type))
+    assert np.linalg.norm(got - emulated) <= 0.25 * np.linalg.norm(want - emulated)
+
+
+def test_bench_prefill_at_toy_shapes(cuda_backend):
+    from ds4_bench.synthetic import prefill_results
+
+    toy = {"hidden": 256, "layers": 3, "vocab": 1000, "q_lora": 64, "heads": 4, "head_dim": 64, "o_groups": 2,
+           "o_lora": 32, "experts": 8, "k": 3, "inter": 256, "hc": 4, "index_heads": 4, "index_dim": 32}
+    r = prefill_results((40,), 2, 1e15, "q2", toy)
+    assert {m["name"] for m in r["matmuls"]} >= {"q_b", "routed experts"}
+    assert all(m["seconds"] > 0 and m["peak_bytes"] > 0 for m in r["matmuls"])
+    (p,) = r["projection"]
+    assert p["tokens"] == 40 and p["tokens_per_s"] > 0 and 0 < p["fraction_of_matmul_roof"] < 1
