@@ -9,33 +9,52 @@ from ds4_core.hookspecs import hookimpl
 DS4_PLUGIN_API = 1
 
 
+#: ``--synthetic`` model -> the recipes it has. Static, so the CLI imports nothing heavy.
+MODELS: dict[str, tuple[str, ...]] = {"deepseek4-flash": ("q2", "q4", "mxfp4"), "glm53-flash": ("q2", "q4"),
+                                      "qwen38-flash": ("q2", "q4")}
+#: Models built from a weight plan (:mod:`.synthetic_plan`) -> the module whose ``MODEL`` describes them.
+PLAN_MODULES: dict[str, str] = {"glm53-flash": "synthetic_glm53", "qwen38-flash": "synthetic_qwen38"}
+
+
 @click.command("bench")
-@click.option("--synthetic", type=click.Choice(["deepseek4-flash"]), default="deepseek4-flash", show_default=True,
+@click.option("--synthetic", type=click.Choice(list(MODELS)), default="deepseek4-flash", show_default=True,
               help="Model shapes to synthesise in device memory (no file needed).")
 @click.option("--recipe", type=click.Choice(["q2", "q4", "mxfp4"]), default="q2", show_default=True,
-              help="Routed-expert formats: q2 = IQ2_XXS gate/up + Q2_K down, q4 = Q4_K, mxfp4 = MXFP4.")
-@click.option("--layers", type=int, default=None,
-              help="Decoder layers to build (default: all 43, fewer if memory is short).")
+              help="Routed-expert formats: q2 = IQ2_XXS gate/up + Q2_K down, q4 = Q4_K (Qwen: MXFP4 down), "
+                   "mxfp4 = MXFP4 (DeepSeek only).")
+@click.option("--layers", type=click.IntRange(min=1), default=None,
+              help="Decoder layers to build (default: all of the model's, fewer if memory is short).")
 @click.option("--repeats", type=int, default=20, show_default=True, help="Timed repetitions of each measurement.")
-@click.option("--prefill-tokens", type=int, multiple=True, default=(512, 2048), show_default=True,
-              help="Token counts of the prefill-shaped matmul.")
+@click.option("--prefill-tokens", type=int, multiple=True, default=(2048, 16384), show_default=True,
+              help="Token counts of the prefill matmuls (deepseek4-flash).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON instead of a table.")
 def bench(synthetic: str, recipe: str, layers: int | None, repeats: int, prefill_tokens: tuple[int, ...],
           as_json: bool) -> None:
-    """Benchmark the CUDA backend on a synthetic DeepSeek V4 Flash against the HBM and tensor-core roofs."""
+    """Benchmark the CUDA backend on a synthetic DeepSeek V4 Flash, GLM 5.3 Flash or Qwen3.8 Flash Next against
+    the HBM and tensor-core roofs."""
+    import importlib
     import json
 
     from ds4_core.engine import probe_backends
     from ds4_core.errors import BackendError
     from ds4_core.plugins import get_plugin_manager
 
+    if recipe not in MODELS[synthetic]:
+        raise click.BadParameter(f"{synthetic} has the recipes {', '.join(MODELS[synthetic])}, not {recipe}",
+                                 param_hint="'--recipe'")
     cuda = next((c for c in probe_backends(get_plugin_manager().registry) if c.spec.name == "cuda"), None)
     if cuda is None or not cuda.usable:
         raise BackendError("ds4 bench measures the CUDA backend, which cannot run here: "
                            + (cuda.reason if cuda else "it is not installed (pip install 'ds4-core[cuda]')"))
-    from .synthetic import print_report, run_all
+    if synthetic in PLAN_MODULES:
+        from .synthetic_plan import print_report, run_model
 
-    results = run_all(recipe=recipe, layers=layers, repeats=repeats, prefill_tokens=prefill_tokens)
+        model = importlib.import_module(f".{PLAN_MODULES[synthetic]}", __package__).MODEL
+        results = run_model(model, recipe, layers, repeats)
+    else:
+        from .synthetic import print_report, run_all
+
+        results = run_all(recipe=recipe, layers=layers, repeats=repeats, prefill_tokens=prefill_tokens)
     if as_json:
         click.echo(json.dumps(results, indent=1))
     else:

@@ -1,0 +1,114 @@
+"""``ds4 bench`` without a GPU: its help and option errors, and the GLM 5.3 Flash / Qwen3.8 weight plans, whose
+sizes are checked against the published ds4 GGUF files."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from ds4_core.cli import cli
+from ds4_core.quants import tensor_nbytes
+
+MODELS = ("deepseek4-flash", "glm53-flash", "qwen38-flash")
+
+
+def test_help_lists_the_three_models():
+    result = CliRunner().invoke(cli, ["bench", "--help"])
+    assert result.exit_code == 0, result.output
+    for name in MODELS:
+        assert name in result.output
+
+
+def test_unknown_model_is_a_clear_usage_error():
+    result = CliRunner().invoke(cli, ["bench", "--synthetic", "llama3-70b"])
+    assert result.exit_code == 2
+    assert "Invalid value for '--synthetic'" in result.output and "glm53-flash" in result.output
+
+
+def test_recipe_the_model_lacks_is_a_clear_usage_error():
+    result = CliRunner().invoke(cli, ["bench", "--synthetic", "qwen38-flash", "--recipe", "mxfp4"])
+    assert result.exit_code == 2
+    assert "qwen38-flash has the recipes q2, q4, not mxfp4" in result.output
+
+
+def test_cli_recipes_match_the_models():
+    from ds4_bench import plugin, synthetic, synthetic_glm53, synthetic_qwen38
+
+    assert set(plugin.MODELS["deepseek4-flash"]) == set(synthetic.RECIPES)
+    assert set(plugin.MODELS["glm53-flash"]) == set(synthetic_glm53.MODEL.recipes) == set(synthetic_glm53.RECIPES)
+    assert set(plugin.MODELS["qwen38-flash"]) == set(synthetic_qwen38.MODEL.recipes) == set(synthetic_qwen38.RECIPES)
+
+
+@pytest.mark.parametrize("model", ["glm53-flash", "qwen38-flash"])
+def test_without_a_gpu_the_new_models_say_why_in_one_line(model):
+    from ds4_backend_cuda.probe import probe
+
+    if probe()[0]:
+        pytest.skip("a usable GPU is present: ds4 bench would run")
+    proc = subprocess.run([sys.executable, "-m", "ds4_core.cli", "bench", "--synthetic", model, "--layers", "1"],
+                          capture_output=True, text=True, env=dict(os.environ), timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: ds4 bench measures the CUDA backend")
+
+
+def _names(plan) -> list[str]:
+    return [item.name for item in plan]
+
+
+def test_glm53_plan_follows_the_layer_schedule():
+    from ds4_bench.synthetic_glm53 import MODEL
+
+    names = _names(MODEL.plan("q2", 45))
+    assert sum(n.endswith(".attn_q_a") for n in names) == 11  # DSA at 3, 7, ..., 43
+    assert sum(n.endswith(".kda_q") for n in names) == 34
+    assert sum(n.endswith(".ffn_gate") for n in names) == 3  # dense layers 0-2
+    assert sum(n.endswith(".ffn_exps") for n in names) == 42
+    assert "blk.3.indexer.pool_gate" in names and "blk.4.kda_beta" in names
+    assert names[-1] == "output"
+
+
+def test_qwen38_plan_follows_the_layer_schedule():
+    from ds4_bench.synthetic_qwen38 import MODEL
+
+    plan = MODEL.plan("q2", 48)
+    names = _names(plan)
+    assert sum(n.endswith(".attn_q") for n in names) == 12  # gated attention at 3, 7, ..., 47
+    assert sum(n.endswith(".attn_qkv") for n in names) == 36
+    assert [n for n in names if "ple_" in n] == ["blk.1.ple_key", "blk.1.ple_value"]
+    assert names[-3:] == ["output_hc_down", "output_hc_up", "output"]
+    experts = [item for item in plan if item.name.endswith("ffn_exps")]
+    assert len(experts) == 48 and {e.down_cols for e in experts} == {768}  # Q2_K rows padded from 640
+    assert {e.down_cols for e in MODEL.plan("q4", 48) if e.name.endswith("ffn_exps")} == {640}  # MXFP4
+
+
+# Published ds4 sizes: GLM-5.3-Flash Q2 "90 GiB", Q4 "178 GiB" (file); Qwen3.8 Q2 "41.73 GiB of main/MTP weights",
+# Q4K "69.74 GiB for resident weights". The plans hold every layer but not the token embedding or the MTP block,
+# added here as one more attention + MoE layer.
+@pytest.mark.parametrize(("module", "recipe", "published_gib", "mtp_after"), [
+    ("synthetic_glm53", "q2", 90.0, 44), ("synthetic_glm53", "q4", 178.0, 44),
+    ("synthetic_qwen38", "q2", 41.73, 48), ("synthetic_qwen38", "q4", 69.74, 48)])
+def test_resident_weights_match_the_published_files(module, recipe, published_gib, mtp_after):
+    import importlib
+
+    from ds4_bench.synthetic_plan import resident_bytes
+
+    mod = importlib.import_module(f"ds4_bench.{module}")
+    model, shapes = mod.MODEL, mod.GLM53_FLASH if module.endswith("glm53") else mod.QWEN38_FLASH
+    mtp = resident_bytes(model.plan(recipe, mtp_after)) - resident_bytes(model.plan(recipe, mtp_after - 1))
+    embed = tensor_nbytes("Q8_0", (shapes["vocab"], shapes["hidden"]))
+    total = (resident_bytes(model.plan(recipe, model.layers)) + mtp + embed) / 2**30
+    assert 0.95 * published_gib < total < 1.01 * published_gib
+
+
+def test_fewer_layers_fit_when_memory_is_short():
+    from ds4_bench.synthetic_glm53 import MODEL
+    from ds4_bench.synthetic_plan import MEMORY_MARGIN, fitting_layers, resident_bytes
+
+    assert fitting_layers(MODEL, "q2", 139 * 2**30) == 45
+    n = fitting_layers(MODEL, "q4", 139 * 2**30)
+    assert 1 <= n < 45
+    assert resident_bytes(MODEL.plan("q4", n)) <= 139 * 2**30 - MEMORY_MARGIN < resident_bytes(MODEL.plan("q4", n + 1))
