@@ -221,6 +221,8 @@ class Session:
         self.state = engine.model.new_state(engine.ctx)
         self.last_logits: np.ndarray | None = None
         self.prefill_chunk = DEFAULT_PREFILL_CHUNK
+        #: Why the state cannot be trusted (a fault inside a one-chunk feed), or None; cleared by :meth:`restore`.
+        self._broken: str | None = None
 
     @property
     def remaining(self) -> int:
@@ -228,7 +230,17 @@ class Session:
         return self.engine.ctx - len(self.tokens)
 
     def feed(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
-        """Advance the state by ``token_ids``; return float32 logits ``[n, vocab]``, one row per token."""
+        """Advance the state by ``token_ids``; return float32 logits ``[n, vocab]``, one row per token.
+
+        Atomic: if it raises, the session is as before the call (state, tokens, last logits). A feed longer
+        than :attr:`prefill_chunk` runs in chunks, each advancing the state, so it first copies the state
+        (one extra :meth:`Model.state_nbytes` for the length of the call) and puts it back on any failure,
+        Ctrl-C included. A one-chunk feed (every decoding step) copies nothing: the models refuse bad input
+        with a :class:`Ds4Error` before writing any state. Only a fault inside the graph of a one-chunk feed
+        (an interrupt, a device error) can leave the state half-written; the session then refuses to go on
+        until :meth:`restore` rather than continue from it.
+        """
+        self._check_usable()
         ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             return np.zeros((0, self.engine.model.vocab_size), np.float32)
@@ -239,18 +251,30 @@ class Session:
         if ids.size > self.remaining:
             raise ContextError(f"{ids.size} tokens do not fit: {len(self.tokens)} of {self.engine.ctx} context "
                                f"tokens are used; start a new session or load with a larger ctx")
+        saved = copy_state(self.state) if ids.size > self.prefill_chunk else None
+        n_tokens, last_logits = len(self.tokens), self.last_logits
         out = []
-        for start in range(0, ids.size, self.prefill_chunk):
-            chunk = ids[start:start + self.prefill_chunk].astype(np.int32)
-            logits = self.engine.model.forward(chunk, self.state)
-            out.append(np.asarray(self.engine.backend.to_numpy(logits), dtype=np.float32))
-            self.tokens.extend(int(t) for t in chunk)
-        result = np.concatenate(out, axis=0)
-        self.last_logits = result[-1].copy()
+        try:
+            for start in range(0, ids.size, self.prefill_chunk):
+                chunk = ids[start:start + self.prefill_chunk].astype(np.int32)
+                logits = self.engine.model.forward(chunk, self.state)
+                out.append(np.asarray(self.engine.backend.to_numpy(logits), dtype=np.float32))
+            result = np.concatenate(out, axis=0)
+            self.last_logits = result[-1].copy()
+            self.tokens.extend(ids.tolist())
+        except BaseException as exc:
+            del self.tokens[n_tokens:]
+            self.last_logits = last_logits
+            if saved is not None:
+                self.state = saved
+            elif not isinstance(exc, Ds4Error):
+                self._broken = f"a feed was stopped inside the model ({type(exc).__name__})"
+            raise
         return result
 
     def snapshot(self) -> Snapshot:
         """Capture the current state."""
+        self._check_usable()
         logits = None if self.last_logits is None else self.last_logits.copy()
         return Snapshot(tuple(self.tokens), copy_state(self.state), logits)
 
@@ -259,6 +283,12 @@ class Session:
         self.tokens = list(snap.tokens)
         self.state = copy_state(snap.state)
         self.last_logits = None if snap.last_logits is None else snap.last_logits.copy()
+        self._broken = None
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise Ds4Error(f"this session's state is incomplete: {self._broken}; restore a snapshot taken before "
+                           "it or start a new session")
 
     def generate(self, prompt: Sequence[int] = (), *, max_tokens: int = 256, sampling: SamplingParams | None = None,
                  stop_ids: Iterable[int] | None = None, stop_strings: Sequence[str] = ()) -> Iterator[Generated]:
@@ -267,6 +297,7 @@ class Session:
         Stops at the tokenizer's EOS (or ``stop_ids``) and after any of ``stop_strings``
         (the stop text itself is not yielded). Closing the generator stops generation cleanly.
         """
+        self._check_usable()
         tok = self.engine.tokenizer
         stops = set(stop_ids) if stop_ids is not None else ({tok.eos_id} if tok.eos_id is not None else set())
         sampler = self.engine.sampler(sampling or SamplingParams())

@@ -28,7 +28,8 @@ class Model(Protocol):
 
     def forward(self, ids: np.ndarray, state: Any) -> Any:
         """Feed ``ids`` (int32 ``[T]``) after the tokens already in ``state``; return logits ``[T, vocab]``
-        as a backend array, and advance ``state`` in place."""
+        as a backend array, and advance ``state`` in place. A :class:`Ds4Error` (bad input, a short read) must
+        be raised before any state is written: ``Session.feed`` relies on it to stay atomic without a copy."""
 
     def state_nbytes(self, ctx: int) -> int:
         """Bytes of decoding state a context of ``ctx`` tokens needs."""
