@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,37 @@ def _short(value: Any, limit: int = 80) -> str:
         return f"[{head}{', …' if len(value) > 6 else ''}] ({len(value)} items)"
     text = repr(value) if isinstance(value, str) else str(value)
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+#: Contexts (tokens) at which ``ds4 info`` totals the decoding state, besides the model's maximum.
+STATE_CONTEXTS = (4096, 32768, 131072)
+
+
+def _tokens(n: int) -> str:
+    for unit, size in (("M", 2**20), ("K", 2**10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+def _split(parts: Mapping[str, int]) -> str:
+    total = sum(parts.values())
+    return f"{_human(total)} ({total:,} B): " + ", ".join(f"{kind} {_human(n)}" for kind, n in parts.items())
+
+
+def state_summary(breakdown: Callable[[int], Mapping[str, int]], max_context: int) -> dict[str, str]:
+    """The decoding-state rows of ``ds4 info``, for a model plugin's ``describe``.
+
+    ``breakdown(ctx)`` maps each kind of state (KV rows, recurrent state, ...) to the bytes a context of ``ctx``
+    tokens allocates. The rows give the growth per 1K (1024) tokens, the part that does not grow, and the totals at
+    :data:`STATE_CONTEXTS` and ``max_context``, each with its exact byte count and split by kind.
+    """
+    fixed, at_1k = breakdown(0), breakdown(1024)
+    growth = {kind: n - fixed.get(kind, 0) for kind, n in at_1k.items() if n != fixed.get(kind, 0)}
+    rows = {"state per 1K tokens": _split(growth), "state, fixed": _split({k: n for k, n in fixed.items() if n})}
+    for ctx in sorted({c for c in STATE_CONTEXTS if c < max_context} | {max_context}):
+        rows[f"state at {_tokens(ctx)}" + (" (max)" if ctx == max_context else "")] = _split(breakdown(ctx))
+    return rows
 
 
 def file_summary(gguf: GGUFFile) -> dict[str, Any]:

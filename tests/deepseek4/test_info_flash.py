@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 from ds4_model_deepseek4.config import DeepSeekV4Config
@@ -62,8 +63,9 @@ def flash_tensors() -> list[tuple[str, tuple[int, ...], Q]]:
     return t
 
 
-def test_info_summarises_full_size_flash_metadata_without_tensor_data(tmp_path):
-    path = tmp_path / "DeepSeek-V4-Flash-headers.gguf"
+def write_flash_headers(path: Path) -> int:
+    """Write the full-size Flash metadata and tensor table, without tensor data, to ``path``; return the tensor
+    bytes the table declares."""
     writer = GGUFWriter(path, "deepseek4")
     writer.add_name("DeepSeek-V4-Flash")
     for key, (value, vtype, sub) in DeepSeekV4Config(**FLASH).to_gguf_metadata().items():
@@ -81,6 +83,12 @@ def test_info_summarises_full_size_flash_metadata_without_tensor_data(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     writer.close()
+    return total
+
+
+def test_info_summarises_full_size_flash_metadata_without_tensor_data(tmp_path):
+    path = tmp_path / "DeepSeek-V4-Flash-headers.gguf"
+    total = write_flash_headers(path)
     assert path.stat().st_size < 2**20  # headers only: ~80 GB of tensor data is absent
 
     env = {**os.environ}

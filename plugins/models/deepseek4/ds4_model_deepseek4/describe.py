@@ -5,11 +5,14 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from ds4_core.inspect import state_summary
+
 from .config import DeepSeekV4Config
+from .state import state_breakdown
 
 
 def describe(gguf: Any) -> dict[str, str]:
-    """Variant, layer schedule, attention, MoE and context figures of a ``deepseek4`` GGUF."""
+    """Variant, layer schedule, attention, MoE, context and decoding-state figures of a ``deepseek4`` GGUF."""
     cfg = DeepSeekV4Config.from_metadata(gguf.metadata)
     kinds = Counter(cfg.layer_kind(i) for i in range(cfg.num_layers))
     experts = gguf.tensors.get("blk.0.ffn_gate_exps.weight") or gguf.tensors.get(
@@ -25,4 +28,5 @@ def describe(gguf: Any) -> dict[str, str]:
                    f"{cfg.n_shared_experts} shared" + (f", {experts.type_name}" if experts else ""),
         "hyper-connections": f"{cfg.hc_mult} streams, {cfg.hc_sinkhorn_iters} Sinkhorn iterations",
         "context": f"{cfg.context_length} tokens (YaRN ×{cfg.yarn_factor:g} on compressed layers)",
+        **state_summary(lambda ctx: state_breakdown(cfg, ctx), cfg.context_length),
     }

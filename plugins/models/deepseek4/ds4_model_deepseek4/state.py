@@ -42,9 +42,15 @@ class CompressorState:
                    rows=xp.zeros((ctx // m, d), dtype=xp.float32))
 
     @staticmethod
-    def nbytes(m: int, d: int, overlap: bool, ctx: int) -> int:
+    def frontier_nbytes(m: int, d: int, overlap: bool) -> int:
+        """Bytes of the open window's buffers and (CSA) the previous window's half: the same for every context."""
         coff = 2 if overlap else 1
-        return 4 * (2 * m * coff * d + (2 * m * d if overlap else 0) + (ctx // m) * d)
+        return 4 * (2 * m * coff * d + (2 * m * d if overlap else 0))
+
+    @staticmethod
+    def rows_nbytes(m: int, d: int, ctx: int) -> int:
+        """Bytes of the emitted rows for ``ctx`` tokens."""
+        return 4 * (ctx // m) * d
 
 
 @attrs.define
@@ -79,14 +85,28 @@ def new_state(config: DeepSeekV4Config, ctx: int, xp: ModuleType) -> DeepSeekV4S
     return DeepSeekV4State(ctx=ctx, n_tokens=0, layers=layers)
 
 
-def state_nbytes(config: DeepSeekV4Config, ctx: int) -> int:
-    """Bytes :func:`new_state` allocates for ``ctx`` tokens."""
-    total = 0
+def state_breakdown(config: DeepSeekV4Config, ctx: int) -> dict[str, int]:
+    """Bytes :func:`new_state` allocates for ``ctx`` tokens, by kind: the raw sliding-window ring, the compressed KV
+    rows of CSA and of HCA layers, the indexer keys and the compressors' frontier (open and previous windows); kinds
+    whose layers the model lacks are left out."""
+    raw, csa, hca, index_keys, frontier = "raw window KV ring", "CSA compressed KV rows", "HCA compressed KV rows", \
+        "indexer keys", "compressor frontier"
+    sizes = dict.fromkeys((raw, csa, hca, index_keys, frontier), 0)
+    kinds = {config.layer_kind(layer) for layer in range(config.num_layers)}
     for layer in range(config.num_layers):
         kind, m = config.layer_kind(layer), config.compress_ratios[layer]
-        total += 4 * config.sliding_window * config.head_dim
+        sizes[raw] += 4 * config.sliding_window * config.head_dim
         if kind != "sliding":
-            total += CompressorState.nbytes(m, config.head_dim, kind == "csa", ctx)
+            sizes[csa if kind == "csa" else hca] += CompressorState.rows_nbytes(m, config.head_dim, ctx)
+            sizes[frontier] += CompressorState.frontier_nbytes(m, config.head_dim, kind == "csa")
         if kind == "csa":
-            total += CompressorState.nbytes(m, config.index_head_dim, True, ctx)
-    return total
+            sizes[index_keys] += CompressorState.rows_nbytes(m, config.index_head_dim, ctx)
+            sizes[frontier] += CompressorState.frontier_nbytes(m, config.index_head_dim, True)
+    absent = {csa: "csa" not in kinds, index_keys: "csa" not in kinds, hca: "hca" not in kinds,
+              frontier: kinds == {"sliding"}}
+    return {kind: n for kind, n in sizes.items() if not absent.get(kind, False)}
+
+
+def state_nbytes(config: DeepSeekV4Config, ctx: int) -> int:
+    """Bytes :func:`new_state` allocates for ``ctx`` tokens."""
+    return sum(state_breakdown(config, ctx).values())

@@ -69,13 +69,27 @@ def new_state(config: Glm5NextConfig, ctx: int, xp: ModuleType, indexed: tuple[b
     return Glm5NextState(ctx=ctx, n_tokens=0, layers=layers)
 
 
-def state_nbytes(config: Glm5NextConfig, ctx: int, indexed: tuple[bool, ...]) -> int:
-    """Bytes :func:`new_state` allocates for ``ctx`` tokens."""
+def state_breakdown(config: Glm5NextConfig, ctx: int, indexed: tuple[bool, ...]) -> dict[str, int]:
+    """Bytes :func:`new_state` allocates for ``ctx`` tokens, by kind: MLA latent KV, pooled indexer keys and the open
+    pool of DSA blocks; KDA recurrent state and conv history. Kinds whose blocks the model lacks are left out."""
     hd, d, P, dI = config.kda_heads * config.kda_head_dim, config.kda_head_dim, config.index_pool, config.index_head_dim
-    total = 0
+    sizes = dict.fromkeys(("MLA latent KV", "pooled indexer keys", "indexer open pool", "KDA recurrent state",
+                           "KDA conv history"), 0)
     for block in range(config.num_layers):
         if not config.is_dsa(block):
-            total += 4 * (3 * (config.kda_conv - 1) * hd + config.kda_heads * d * d)
-        else:
-            total += 4 * ctx * config.kv_lora_rank + (4 * (2 * P + ctx // P) * dI if indexed[block] else 0)
-    return total
+            sizes["KDA recurrent state"] += 4 * config.kda_heads * d * d
+            sizes["KDA conv history"] += 4 * 3 * (config.kda_conv - 1) * hd
+            continue
+        sizes["MLA latent KV"] += 4 * ctx * config.kv_lora_rank
+        if indexed[block]:
+            sizes["pooled indexer keys"] += 4 * (ctx // P) * dI
+            sizes["indexer open pool"] += 4 * 2 * P * dI
+    dsa = sum(config.is_dsa(b) for b in range(config.num_layers))
+    present = {"MLA latent KV": dsa > 0, "pooled indexer keys": any(indexed), "indexer open pool": any(indexed),
+               "KDA recurrent state": dsa < config.num_layers, "KDA conv history": dsa < config.num_layers}
+    return {kind: n for kind, n in sizes.items() if present[kind]}
+
+
+def state_nbytes(config: Glm5NextConfig, ctx: int, indexed: tuple[bool, ...]) -> int:
+    """Bytes :func:`new_state` allocates for ``ctx`` tokens."""
+    return sum(state_breakdown(config, ctx, indexed).values())

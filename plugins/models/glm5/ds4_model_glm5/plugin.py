@@ -30,6 +30,7 @@ def register_models(register: Callable[[ModelSpec], None]) -> None:
         hf_architectures=("GlmMoeDsaForCausalLM", "glm_moe_dsa"),
         converter="ds4_model_glm5.convert:convert",
         ops=GRAPH_OPS,
+        describe="ds4_model_glm5.describe:describe",
         description="GLM-5 / 5.1 / 5.2 / full 5.3 (MLA + DSA indexer with IndexShare, sigmoid MoE)",
     ))
     register(ModelSpec(
@@ -41,6 +42,7 @@ def register_models(register: Callable[[ModelSpec], None]) -> None:
         hf_architectures=("Glm5NextForConditionalGeneration", "glm5_next"),
         converter="ds4_model_glm5.next_convert:convert",
         ops=NEXT_GRAPH_OPS,
+        describe="ds4_model_glm5.describe:describe_next",
         tiny="ds4_model_glm5.next_tiny:trained_model",
         description="GLM-5.3 Flash (KDA + NoPE MLA with a pooled indexer, hyper-connections, clamped MoE)",
     ))

@@ -40,7 +40,15 @@ def new_state(config: GlmDsaConfig, full_indexer: Sequence[bool], ctx: int, xp: 
     return GlmDsaState(ctx=ctx, n_tokens=0, layers=layers)
 
 
+def state_breakdown(config: GlmDsaConfig, full_indexer: Sequence[bool], ctx: int) -> dict[str, int]:
+    """Bytes :func:`new_state` allocates for ``ctx`` tokens, by kind: the MLA latent KV rows of every layer and the
+    indexer keys of the layers with their own indexer."""
+    sizes = {"MLA latent KV": 4 * ctx * config.key_length * len(full_indexer)}
+    if any(full_indexer):
+        sizes["indexer keys"] = 4 * ctx * config.index_head_dim * sum(full_indexer)
+    return sizes
+
+
 def state_nbytes(config: GlmDsaConfig, full_indexer: Sequence[bool], ctx: int) -> int:
     """Bytes :func:`new_state` allocates for ``ctx`` tokens."""
-    per_row = sum(config.key_length + (config.index_head_dim if full else 0) for full in full_indexer)
-    return 4 * ctx * per_row
+    return sum(state_breakdown(config, full_indexer, ctx).values())

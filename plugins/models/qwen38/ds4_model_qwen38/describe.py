@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from ds4_core.inspect import state_summary
+
 from .config import Qwen38Config
+from .state import state_breakdown
 
 
 def describe(gguf: Any) -> dict[str, str]:
-    """Layer schedule, attention, delta-net, MoE and n-gram figures of a ``qwen4exp`` GGUF."""
+    """Layer schedule, attention, delta-net, MoE, n-gram and decoding-state figures of a ``qwen4exp`` GGUF."""
     cfg = Qwen38Config.from_metadata(gguf.metadata)
     attention = sum(cfg.is_attention(i) for i in range(cfg.num_layers))
     table = gguf.tensors.get("per_layer_token_embd.weight")
@@ -24,4 +27,5 @@ def describe(gguf: Any) -> dict[str, str]:
         "n-gram embeddings": (f"layers {list(cfg.ple_layers)}, {table.shape[0]} rows on disk ({table.type_name})"
                               if cfg.ple_layers and table else "none"),
         "context": f"{cfg.context_length} tokens",
+        **state_summary(lambda ctx: state_breakdown(cfg, ctx), cfg.context_length),
     }

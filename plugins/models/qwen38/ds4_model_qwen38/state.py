@@ -7,6 +7,7 @@ last ``n − 1`` raw token ids (the n-gram context) are shared by every PLE laye
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -47,27 +48,63 @@ class Qwen38State:
     layers: list[DeltaNetState | AttentionState]
 
 
-def _layer_shapes(cfg: Qwen38Config, layer: int, ctx: int) -> list[tuple[int, ...]]:
-    """Shapes of one layer's float32 arrays, in :class:`DeltaNetState` / :class:`AttentionState` field order."""
+def _layer_arrays(cfg: Qwen38Config, layer: int, ctx: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(kind, shape) of one layer's float32 arrays, in :class:`DeltaNetState` / :class:`AttentionState` field order."""
     if cfg.is_attention(layer):
         kv = (ctx, cfg.num_kv_heads, cfg.head_dim)
-        return [kv, kv, (ctx, cfg.index_dim)]
-    shapes = [(cfg.conv_kernel - 1, cfg.conv_dim), (cfg.ssm_value_heads, cfg.ssm_key_dim, cfg.ssm_value_dim)]
+        return [("attention KV", kv), ("attention KV", kv), ("indexer keys", (ctx, cfg.index_dim))]
+    arrays = [("delta-net conv history", (cfg.conv_kernel - 1, cfg.conv_dim)),
+              ("delta-net state", (cfg.ssm_value_heads, cfg.ssm_key_dim, cfg.ssm_value_dim))]
     if layer in cfg.ple_layers:
-        shapes.append(((cfg.ple_conv_kernel - 1) * cfg.ngram_size, cfg.hc_count * cfg.hidden_size))
-    return shapes
+        arrays.append(("n-gram (PLE) conv history",
+                       ((cfg.ple_conv_kernel - 1) * cfg.ngram_size, cfg.hc_count * cfg.hidden_size)))
+    return arrays
 
 
 def new_state(cfg: Qwen38Config, ctx: int, xp: ModuleType) -> Qwen38State:
     """Empty state for ``ctx`` tokens, arrays allocated with ``xp`` (numpy or cupy)."""
     layers: list[DeltaNetState | AttentionState] = []
     for layer in range(cfg.num_layers):
-        arrays = [xp.zeros(shape, dtype=xp.float32) for shape in _layer_shapes(cfg, layer, ctx)]
+        arrays = [xp.zeros(shape, dtype=xp.float32) for _, shape in _layer_arrays(cfg, layer, ctx)]
         layers.append(AttentionState(*arrays) if cfg.is_attention(layer) else DeltaNetState(*arrays))
     history = np.full(max(cfg.ngram_size - 1, 0), cfg.ple_eos, dtype=np.int64)
     return Qwen38State(ctx=ctx, n_tokens=0, ngram_history=history, layers=layers)
 
 
+def state_breakdown(cfg: Qwen38Config, ctx: int) -> dict[str, int]:
+    """Bytes of the arrays :func:`new_state` allocates for ``ctx`` tokens, by kind (attention KV, indexer keys,
+    delta-net state and conv history, n-gram conv history); the few n-gram token ids are left out."""
+    sizes: dict[str, int] = {}
+    for layer in range(cfg.num_layers):
+        for kind, shape in _layer_arrays(cfg, layer, ctx):
+            sizes[kind] = sizes.get(kind, 0) + 4 * int(np.prod(shape))
+    return sizes
+
+
+def rollback_point(state: Qwen38State, p0: int, n: int, layers: range) -> Callable[[], None]:
+    """A function that puts ``layers`` of ``state`` back as they are now, for a forward over positions ``p0..n−1``
+    that fails after running some of them.
+
+    Cheap: the recurrent ops return new arrays instead of writing their inputs, so delta-net layers are kept by
+    reference; attention layers write only rows ``p0..n−1`` of their caches in place, so only those rows are copied.
+    """
+    saved: list[tuple[Any, dict[str, Any], bool]] = []
+    for ls in (state.layers[i] for i in layers):
+        rows = isinstance(ls, AttentionState)
+        fields = attrs.asdict(ls, recurse=False)
+        saved.append((ls, {k: v[p0:n].copy() for k, v in fields.items()} if rows else fields, rows))
+
+    def restore() -> None:
+        for ls, fields, rows in saved:
+            for name, value in fields.items():
+                if rows:
+                    getattr(ls, name)[p0:n] = value
+                else:
+                    setattr(ls, name, value)
+
+    return restore
+
+
 def state_nbytes(cfg: Qwen38Config, ctx: int) -> int:
-    """Bytes :func:`new_state` allocates for ``ctx`` tokens."""
-    return sum(4 * int(np.prod(shape)) for layer in range(cfg.num_layers) for shape in _layer_shapes(cfg, layer, ctx))
+    """Bytes of the arrays :func:`new_state` allocates for ``ctx`` tokens."""
+    return sum(state_breakdown(cfg, ctx).values())
