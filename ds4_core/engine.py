@@ -192,6 +192,10 @@ class Engine:
         yield from parser.finish()
 
     def close(self) -> None:
+        """Release the model's resources (reader threads, open files; when it has a ``close``) and the GGUF."""
+        close_model = getattr(self.model, "close", None)
+        if close_model is not None:
+            close_model()
         self.gguf.close()
 
 

@@ -15,8 +15,9 @@ from .opnames import GRAPH_OPS
 #: Ops the graph calls (checked against the backend before any weight loads).
 REQUIRED_OPS = GRAPH_OPS
 
-#: Model options and their defaults. ``ngram_cache_rows``: decoded n-gram table rows kept in memory.
-OPTIONS: dict[str, Any] = {"ngram_cache_rows": DEFAULT_CACHE_ROWS}
+#: Model options and their defaults. ``ngram_cache_rows``: decoded n-gram table rows kept in memory;
+#: ``ngram_prefetch``: read n-gram rows on a background thread, overlapping the layers before each PLE layer.
+OPTIONS: dict[str, Any] = {"ngram_cache_rows": DEFAULT_CACHE_ROWS, "ngram_prefetch": True}
 
 
 def load(gguf: Any, weights: WeightLoader, ops: Ops, options: dict[str, Any]) -> Qwen38Model:
@@ -27,6 +28,9 @@ def load(gguf: Any, weights: WeightLoader, ops: Ops, options: dict[str, Any]) ->
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise ModelConfigError(f"unknown qwen38 model option(s) {', '.join(unknown)}; known: {', '.join(OPTIONS)}")
+    prefetch = options.get("ngram_prefetch", OPTIONS["ngram_prefetch"])
+    if not isinstance(prefetch, bool):
+        raise ModelConfigError(f"qwen38 model option ngram_prefetch must be true or false, not {prefetch!r}")
     cfg = Qwen38Config.from_metadata(gguf.metadata)
     table = None
     if cfg.ple_layers:
@@ -37,4 +41,4 @@ def load(gguf: Any, weights: WeightLoader, ops: Ops, options: dict[str, Any]) ->
                                    "re-convert the model")
         cache_rows = int(options.get("ngram_cache_rows", OPTIONS["ngram_cache_rows"]))
         table = NGramTable(gguf.path, info, cache_rows=cache_rows)
-    return Qwen38Model(weights, ops, cfg, table)
+    return Qwen38Model(weights, ops, cfg, table, prefetch=prefetch)

@@ -16,8 +16,8 @@ from ds4_core.errors import ContextError
 
 from .config import Qwen38Config
 from .layers import FLOAT, MATMUL, NORM, GatedAttention, GatedDeltaNet, MoE, PerLayerEmbedding
-from .ngram import NGramTable, ngram_row_ids
-from .state import Qwen38State, new_state, state_nbytes
+from .ngram import NGramFetcher, NGramTable, ngram_row_ids, settle
+from .state import Qwen38State, new_state, rollback_point, state_nbytes
 
 NGRAM_TABLE = "per_layer_token_embd.weight"
 
@@ -64,16 +64,20 @@ class Block:
 class Qwen38Model:
     """A loaded Qwen3.8 model (satisfies :class:`ds4_core.model.Model`).
 
-    ``ngram_table`` is the on-disk n-gram table (``None`` without PLE layers); its rows are read per chunk,
-    before any state changes, so a failed read leaves the session as it was. ``mtp`` is the MTP head
-    (:class:`ds4_model_qwen38.mtp.Qwen38Mtp`) when the file has one, else ``None``.
+    ``ngram_table`` is the on-disk n-gram table (``None`` without PLE layers). Each forward queues the reads of
+    its chunk's rows at its start; with ``prefetch`` they run on a background thread while the layers before each
+    PLE layer compute, else inline before any layer runs. A failed read leaves the state as it was either way
+    (with ``prefetch`` the layers already run are rolled back). :meth:`close` stops the reader thread. ``mtp`` is
+    the MTP head (:class:`ds4_model_qwen38.mtp.Qwen38Mtp`) when the file has one, else ``None``.
     """
 
     family = "qwen38"
 
-    def __init__(self, w: WeightLoader, ops: Ops, cfg: Qwen38Config, ngram_table: NGramTable | None):
+    def __init__(self, w: WeightLoader, ops: Ops, cfg: Qwen38Config, ngram_table: NGramTable | None,
+                 prefetch: bool = True):
         D, V = cfg.hidden_size, cfg.vocab_size
         self.cfg, self.ops, self.ngram_table = cfg, ops, ngram_table
+        self.ngram_fetcher = NGramFetcher(ngram_table, prefetch) if ngram_table is not None else None
         self.vocab_size, self.max_context = V, cfg.context_length
         self.token_embd = w.get("token_embd.weight", (V, D), MATMUL)
         self.blocks = [Block(w, ops, layer, cfg) for layer in range(cfg.num_layers)]
@@ -98,14 +102,20 @@ class Qwen38Model:
     def state_nbytes(self, ctx: int) -> int:
         return state_nbytes(self.cfg, ctx)
 
+    def ngram_rows(self, history: np.ndarray, ids: np.ndarray) -> list[np.ndarray]:
+        """Per PLE layer, the table rows ``[T, heads]`` (int64) of ``ids`` after ``history``."""
+        cfg = self.cfg
+        return [ngram_row_ids(history, ids, cfg.ple_eos, multipliers, sizes, offsets, cfg.heads_per_ngram)
+                for multipliers, sizes, offsets in self._hash]
+
     def ngram_embeddings(self, history: np.ndarray, ids: np.ndarray) -> list[np.ndarray]:
         """Per PLE layer, the concatenated n-gram rows ``[T, E]`` of ``ids`` after ``history`` (reads the disk)."""
-        cfg, table = self.cfg, self.ngram_table
-        out = []
-        for multipliers, sizes, offsets in self._hash:
-            rows = ngram_row_ids(history, ids, cfg.ple_eos, multipliers, sizes, offsets, cfg.heads_per_ngram)
-            out.append(table.lookup(rows).reshape(len(ids), -1))
-        return out
+        return [self.ngram_table.lookup(rows).reshape(len(ids), -1) for rows in self.ngram_rows(history, ids)]
+
+    def close(self) -> None:
+        """Stop the n-gram reader thread and close the table's file (both come back on the next forward)."""
+        if self.ngram_fetcher is not None:
+            self.ngram_fetcher.close()
 
     def forward(self, ids: Any, state: Qwen38State) -> Any:
         """Feed ids ``[T]`` (T ≥ 1) after the ``state.n_tokens`` tokens fed so far; return logits ``[T, V]``."""
@@ -127,15 +137,26 @@ class Qwen38Model:
             raise ContextError(f"{p0 + T} tokens do not fit the context of {state.ctx}; start a new session "
                                "or load the model with a larger --ctx")
         host_ids = np.asarray(ids, dtype=np.int64)
-        ngrams = self.ngram_embeddings(state.ngram_history, host_ids) if self._hash else []
-        ple_rows = dict(zip(cfg.ple_layers, (ops.backend.asarray(e) for e in ngrams), strict=True))
-
-        ids = ops.backend.asarray(host_ids, dtype=xp.int32)
-        pos = xp.arange(p0, p0 + T, dtype=xp.int32)
-        x = ops.embed(self.token_embd, ids)
-        H = xp.repeat(x[:, None, :], cfg.hc_count, axis=1)
-        for layer, block in enumerate(self.blocks):
-            H = block(ops, H, pos, state.layers[layer], p0, ple_rows.get(layer))
+        fetches = self.ngram_fetcher.fetch(self.ngram_rows(state.ngram_history, host_ids)) if self._hash else []
+        pending = dict(zip(cfg.ple_layers, fetches, strict=True))
+        # a read fails when its PLE layer takes the rows: the layers run by then are put back
+        undo = rollback_point(state, p0, p0 + T, range(max(cfg.ple_layers, default=0)))
+        try:
+            ids = ops.backend.asarray(host_ids, dtype=xp.int32)
+            pos = xp.arange(p0, p0 + T, dtype=xp.int32)
+            x = ops.embed(self.token_embd, ids)
+            H = xp.repeat(x[:, None, :], cfg.hc_count, axis=1)
+            for layer, block in enumerate(self.blocks):
+                ngram = None
+                if layer in pending:
+                    try:
+                        ngram = ops.backend.asarray(pending[layer].result().reshape(T, -1))
+                    except BaseException:
+                        undo()
+                        raise
+                H = block(ops, H, pos, state.layers[layer], p0, ngram)
+        finally:
+            settle(fetches)
         if state.ngram_history.size:
             state.ngram_history = np.concatenate([state.ngram_history, host_ids])[-state.ngram_history.size:]
         state.n_tokens = p0 + T

@@ -3,12 +3,16 @@
 The released table is ~100 GB, so it is never mapped into the model: :class:`NGramTable` reads the rows a
 chunk needs with explicit ``os.pread`` calls at the tensor's file offset, keeping a bounded LRU cache of
 decoded rows. :func:`ngram_row_ids` is the hash (exact int64 arithmetic, end-of-sequence reset).
+:class:`NGramFetcher` does the reads on one background thread, so the disk works while the layers before each
+PLE layer compute.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
@@ -72,6 +76,7 @@ class NGramTable:
         self.cache_rows = cache_rows
         self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
         self._fd: int | None = None
+        self._lock = threading.Lock()  # the cache and the lazily opened descriptor are shared with the fetcher
 
     def _file(self) -> int:
         if self._fd is None:
@@ -98,22 +103,73 @@ class NGramTable:
             raise GGUFFormatError(f"{self.path}: n-gram row {int(flat.max())} is outside the table of {self.rows} "
                                   "rows; the PLE metadata does not match the table — re-convert the model")
         out = np.empty((flat.size, self.width), dtype=np.float32)
-        for i, row in enumerate(flat.tolist()):
-            cached = self._cache.get(row)
-            if cached is None:
-                cached = self._read(row)
-                self._cache[row] = cached
-                if len(self._cache) > self.cache_rows:
-                    self._cache.popitem(last=False)
-            else:
-                self._cache.move_to_end(row)
-            out[i] = cached
+        with self._lock:
+            for i, row in enumerate(flat.tolist()):
+                cached = self._cache.get(row)
+                if cached is None:
+                    cached = self._read(row)
+                    self._cache[row] = cached
+                    if len(self._cache) > self.cache_rows:
+                        self._cache.popitem(last=False)
+                else:
+                    self._cache.move_to_end(row)
+                out[i] = cached
         return out.reshape(*np.shape(rows), self.width)
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
     def __del__(self) -> None:
         self.close()
+
+
+class NGramFetcher:
+    """Looks up n-gram rows on one background reader thread (``background``) or inline on the caller's.
+
+    :meth:`fetch` queues one lookup per PLE layer, in layer order, and returns at once; the forward takes each
+    result just before its PLE layer, so the reads overlap the layers in front of it. Reads are the same
+    :meth:`NGramTable.lookup` calls in the same order either way, so the rows are bit-identical.
+
+    Memory: the caller waits for (or cancels) every lookup it queued before it returns (:func:`settle`), so at
+    most one forward's lookups are ever queued: ``len(ple_layers)`` of them, whose results hold
+    ``T · E · 4`` bytes each, the same rows the synchronous path holds. The table's LRU cache stays the only
+    other memory. The thread starts on first use and stops in :meth:`close` (or when the fetcher is collected).
+    """
+
+    def __init__(self, table: NGramTable, background: bool = True):
+        self.table, self.background = table, background
+        self._executor: ThreadPoolExecutor | None = None
+
+    def fetch(self, rows: list[np.ndarray]) -> list[Future[np.ndarray]]:
+        """Futures of ``table.lookup(r)`` for each int row-id array ``r`` of ``rows``, resolved in list order.
+
+        Inline, a failed read raises here, before the caller has changed anything.
+        """
+        if not self.background:
+            done = []
+            for r in rows:
+                future: Future[np.ndarray] = Future()
+                future.set_result(self.table.lookup(r))
+                done.append(future)
+            return done
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds4-qwen38-ngram")
+        return [self._executor.submit(self.table.lookup, r) for r in rows]
+
+    def close(self) -> None:
+        """Stop the reader thread (waiting for a read in progress) and close the table's file."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+        self.table.close()
+
+
+def settle(futures: list[Future[np.ndarray]]) -> None:
+    """Cancel the lookups of ``futures`` that have not started and wait for the one that has: afterwards no read
+    of this batch runs, so nothing outlives the forward that queued it."""
+    for future in futures:
+        future.cancel()
+    wait(futures)
