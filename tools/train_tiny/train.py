@@ -225,9 +225,9 @@ def plot(family: Family, log: dict, vocab_size: int, path: Path) -> None:
     held = np.asarray(log["heldout_loss"])
     ax.plot(held[:, 0], held[:, 1], "o-", color="tab:orange", ms=3, label=f"held-out loss ({windows} windows)")
     if log.get("mtp_train_loss"):
-        mtp = np.asarray(log["mtp_train_loss"])
-        ax.plot(np.arange(24, 24 + mtp.size - 24), np.convolve(mtp, np.ones(25) / 25, mode="valid"),
-                color="tab:green", label="MTP training loss, token after next (25-step mean)")
+        mtp_smooth = np.convolve(log["mtp_train_loss"], np.ones(25) / 25, mode="valid")
+        ax.plot(np.arange(24, 24 + mtp_smooth.size), mtp_smooth, color="tab:green",
+                label="MTP training loss, token after next (25-step mean)")
         held_mtp = np.asarray(log["heldout_mtp_loss"])
         ax.plot(held_mtp[:, 0], held_mtp[:, 1], "s-", color="tab:red", ms=3, label="MTP held-out loss")
     ax.axhline(math.log(vocab_size), color="gray", ls="--", lw=0.8, label=f"uniform baseline ln({vocab_size})")
