@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from ds4_core.scoring import cross_entropy
+
 #: Held-out modules present in every supported Python version.
 HELD_OUT_FILES: tuple[str, ...] = ("base64.py", "copy.py", "difflib.py", "gzip.py")
 
@@ -38,14 +40,6 @@ def card_value(card: Path, label: str) -> float:
     if match is None:
         raise AssertionError(f"{card.name} has no table row {label!r}")
     return float(match.group(1))
-
-
-def cross_entropy(logits: np.ndarray, targets: Sequence[int]) -> np.ndarray:
-    """Per-position cross-entropy (nats) of float ``logits [n, V]`` against ``targets [n]``."""
-    z = logits.astype(np.float64)
-    z -= z.max(axis=-1, keepdims=True)
-    log_probs = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
-    return -log_probs[np.arange(len(targets)), list(targets)]
 
 
 def mean_loss(engine: Any, texts: Sequence[str], *, tokens: int, prefix_chars: int = 4000,

@@ -265,7 +265,7 @@ def drafter_losses(gguf_path: Path, windows: np.ndarray) -> tuple[float, float]:
     from ds4_model_deepseek4.mtp import MtpDrafter
 
     from ds4_core.engine import Engine
-    from ds4_core.testing.heldout import cross_entropy
+    from ds4_core.scoring import cross_entropy
 
     engine = Engine.load(gguf_path, backend="numpy")
     drafter = MtpDrafter(engine.model)

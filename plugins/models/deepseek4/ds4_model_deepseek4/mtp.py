@@ -21,6 +21,7 @@ import numpy as np
 
 from ds4_core.backend import Ops, WeightLoader
 from ds4_core.errors import ContextError, GGUFTensorError, ModelConfigError
+from ds4_core.scoring import cross_entropy
 
 from .config import DeepSeekV4Config
 from .model import FLOAT, MATMUL, NORM, Block, DeepSeekV4Model
@@ -138,8 +139,5 @@ class MtpDrafter:
         """(summed cross-entropy in nats, predicted tokens) of the MTP on ``window [T+1]``: the trunk reads
         ``window[:-1]`` and row p is scored on ``window[p+2]`` (``tools/train_tiny/train.py``'s held-out MTP loss)."""
         ids = np.asarray(window)
-        logits = np.asarray(self.model.ops.backend.to_numpy(self.logits(ids[:-1])), dtype=np.float64)
-        top = logits.max(axis=1, keepdims=True)
-        log_z = top[:, 0] + np.log(np.exp(logits - top).sum(axis=1))
-        targets = ids[2:]
-        return float((log_z - logits[np.arange(len(targets)), targets]).sum()), len(targets)
+        nats = cross_entropy(self.model.ops.backend.to_numpy(self.logits(ids[:-1])), ids[2:])
+        return float(nats.sum()), nats.size

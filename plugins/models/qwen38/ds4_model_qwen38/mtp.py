@@ -21,6 +21,7 @@ import numpy as np
 
 from ds4_core.backend import Ops, WeightLoader
 from ds4_core.errors import ContextError, GGUFTensorError, ModelConfigError
+from ds4_core.scoring import cross_entropy
 
 from .config import Qwen38Config
 from .layers import MATMUL, NORM
@@ -105,7 +106,5 @@ def mtp_cross_entropy(model: Any, ids: Any) -> tuple[float, int]:
     """(summed cross-entropy in nats, count) of the MTP's predictions of ``ids[2:]`` (rows of :func:`mtp_logits`
     that have a target), for a held-out MTP loss over several windows."""
     ids = np.asarray(ids, dtype=np.int64)
-    logits = mtp_logits(model, ids)[:-1].astype(np.float64)
-    top = logits.max(axis=1, keepdims=True)
-    log_norm = top[:, 0] + np.log(np.exp(logits - top).sum(axis=1))
-    return float((log_norm - logits[np.arange(len(logits)), ids[2:]]).sum()), len(logits)
+    nats = cross_entropy(mtp_logits(model, ids)[:-1], ids[2:])
+    return float(nats.sum()), nats.size
