@@ -10,8 +10,10 @@ import math
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
+from ds4_model_qwen38.mtp import mtp_cross_entropy
 
 from ds4_core.cli import cli
 from ds4_core.engine import Engine
@@ -62,6 +64,18 @@ def test_held_out_cross_entropy_far_below_uniform_and_as_in_the_card(engine):
     uniform = math.log(tok.vocab_size)
     assert loss < uniform - MARGIN, f"held-out loss {loss:.3f} is not far below the uniform {uniform:.3f}"
     assert abs(loss - card_value(CARD, "held-out test subset loss")) < TOLERANCE, loss
+
+
+def test_mtp_head_predicts_the_token_after_next_as_in_the_card(engine):
+    total = count = 0
+    for text in held_out_texts().values():
+        ids = engine.tokenizer.encode(text[:PREFIX_CHARS])[:SUBSET_TOKENS]
+        nats, n = mtp_cross_entropy(engine.model, np.asarray(ids))
+        total, count = total + nats, count + n
+    loss = total / count
+    uniform = math.log(engine.tokenizer.vocab_size)
+    assert loss < uniform - MARGIN, f"MTP held-out loss {loss:.3f} is not far below the uniform {uniform:.3f}"
+    assert abs(loss - card_value(CARD, "MTP held-out test subset loss")) < TOLERANCE, loss
 
 
 def test_ds4_run_tiny_qwen38_writes_text(monkeypatch, tmp_path):
