@@ -87,10 +87,12 @@ class Family:
     build: Callable[[int, int, dict], Any] = field(repr=False)  # (vocab_size, seed, config overrides) -> model
     aux_loss_coef: float = 0.0  # weight of transformers' router load-balancing loss (softmax routers)
     mtp_module: str = ""  # tools/train_tiny module whose ``MtpHead(model)`` trains the family's MTP block
+    fast_module: str = ""  # tools/train_tiny module with exact, faster training forwards (``patch``, ``patch_mtp``)
 
     def build_mtp(self, model: Any) -> Any:
         """The family's MTP head attached to ``model`` (see ``train.py``: ``MtpHead`` contract)."""
-        return importlib.import_module(self.mtp_module).MtpHead(model)
+        head = importlib.import_module(self.mtp_module).MtpHead(model)
+        return importlib.import_module(self.fast_module).patch_mtp(head) if self.fast_module else head
 
     def special_tokens(self) -> tuple[str, ...]:
         """The family's special tokens in id order (ids 0..)."""
@@ -146,14 +148,16 @@ def _build_glm53(vocab_size: int, seed: int, overrides: dict) -> Any:
 
 
 def _build_qwen38(vocab_size: int, seed: int, overrides: dict) -> Any:
-    """``Qwen4ExpForCausalLM`` (text only)."""
+    """``Qwen4ExpForCausalLM`` (text only), its QSA block selection vectorized (``fast_qwen38``: same numbers, no
+    per-query loop)."""
+    import fast_qwen38
     import torch
     from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
 
     config = Qwen4ExpTextConfig(vocab_size=vocab_size, **{**QWEN38_CONFIG, **overrides})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    return Qwen4ExpForCausalLM(config)
+    return fast_qwen38.patch(Qwen4ExpForCausalLM(config))
 
 
 FAMILIES: dict[str, Family] = {
@@ -172,5 +176,5 @@ FAMILIES: dict[str, Family] = {
         name="qwen38", title="Qwen3.8 Flash Next", pre="qwen35", nfc=True, tiny_module="ds4_model_qwen38.tiny",
         tokenizer_config={"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
         doc_prefix=(), doc_suffix=("<|endoftext|>",), build=_build_qwen38, aux_loss_coef=1e-2,
-        mtp_module="mtp_qwen38"),
+        mtp_module="mtp_qwen38", fast_module="fast_qwen38"),
 }
