@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import re
 import sysconfig
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,16 +42,34 @@ def card_value(card: Path, label: str) -> float:
     return float(match.group(1))
 
 
+def _openings(engine: Any, texts: Sequence[str], tokens: int, prefix_chars: int, bos: bool) -> list[list[int]]:
+    """The first ``tokens`` token ids of each text (BOS first when ``bos``)."""
+    tok = engine.tokenizer
+    windows = []
+    for text in texts:
+        ids = (([tok.bos_id] if bos else []) + tok.encode(text[:prefix_chars]))[:tokens]
+        if len(ids) != tokens:
+            raise AssertionError(f"only {len(ids)} tokens in the first {prefix_chars} characters")
+        windows.append(ids)
+    return windows
+
+
+def mtp_mean_loss(engine: Any, score: Callable[[np.ndarray], tuple[float, int]], texts: Sequence[str], *,
+                  tokens: int, prefix_chars: int = 4000, bos: bool = True) -> float:
+    """Mean MTP cross-entropy (token after next) over the first ``tokens`` tokens of each text; ``score(window)``
+    is a family's drafter scoring: (summed nats, predicted tokens)."""
+    total, count = 0.0, 0
+    for ids in _openings(engine, texts, tokens, prefix_chars, bos):
+        nats, n = score(np.asarray(ids))
+        total, count = total + nats, count + n
+    return total / count
+
+
 def mean_loss(engine: Any, texts: Sequence[str], *, tokens: int, prefix_chars: int = 4000,
               bos: bool = True) -> float:
     """Mean next-token cross-entropy of the first ``tokens`` tokens of each text (BOS first when ``bos``),
     each scored in a fresh session."""
-    tok = engine.tokenizer
     losses = []
-    for text in texts:
-        ids = ([tok.bos_id] if bos else []) + tok.encode(text[:prefix_chars])
-        ids = ids[:tokens]
-        if len(ids) != tokens:
-            raise AssertionError(f"only {len(ids)} tokens in the first {prefix_chars} characters")
+    for ids in _openings(engine, texts, tokens, prefix_chars, bos):
         losses.append(cross_entropy(engine.new_session().feed(ids)[:-1], ids[1:]))
     return float(np.concatenate(losses).mean())

@@ -16,7 +16,7 @@ import pytest
 from ds4_model_deepseek4.mtp import MtpDrafter
 
 from ds4_core.engine import Engine
-from ds4_core.testing.heldout import HELD_OUT_FILES, card_value, held_out_sources, is_held_out, mean_loss
+from ds4_core.testing.heldout import HELD_OUT_FILES, card_value, held_out_sources, is_held_out, mean_loss, mtp_mean_loss
 
 DATA = resources.files("ds4_model_deepseek4").joinpath("data")
 MODEL = Path(str(DATA.joinpath("tiny-deepseek4.gguf")))
@@ -95,15 +95,9 @@ def test_held_out_cross_entropy_far_below_uniform_and_as_in_the_card(engine):
 def test_mtp_held_out_cross_entropy_far_below_uniform_and_as_in_the_card(engine):
     # The MTP block drafts the token after next; on the trunk's held-out test subset (BOS + 511 tokens per file)
     # it scores tokens 2..510 of each window from the trunk's states at 0..508 and tokens 1..509.
-    tok = engine.tokenizer
-    drafter = MtpDrafter(engine.model)
-    total, count = 0.0, 0
-    for text in held_out_texts().values():
-        ids = [tok.bos_id, *tok.encode(text[:PREFIX_CHARS])][:SUBSET_TOKENS]
-        loss, n = drafter.cross_entropy(np.asarray(ids))
-        total, count = total + loss, count + n
-    loss = total / count
-    uniform = math.log(tok.vocab_size)
+    loss = mtp_mean_loss(engine, MtpDrafter(engine.model).cross_entropy, list(held_out_texts().values()),
+                         tokens=SUBSET_TOKENS, prefix_chars=PREFIX_CHARS, bos=True)
+    uniform = math.log(engine.tokenizer.vocab_size)
     assert loss < 0.7 * uniform, f"held-out MTP loss {loss:.3f} is not far below the uniform {uniform:.3f}"
     assert abs(loss - card_value(CARD, "MTP held-out test subset loss")) < TOLERANCE, loss
 

@@ -11,14 +11,13 @@ import math
 from importlib import resources
 from pathlib import Path
 
-import numpy as np
 import pytest
 from click.testing import CliRunner
 from ds4_model_glm5.next_mtp import MtpDrafter
 
 from ds4_core.cli import cli
 from ds4_core.engine import Engine
-from ds4_core.testing.heldout import HELD_OUT_FILES, card_value, held_out_sources, is_held_out, mean_loss
+from ds4_core.testing.heldout import HELD_OUT_FILES, card_value, held_out_sources, is_held_out, mean_loss, mtp_mean_loss
 
 DATA = resources.files("ds4_model_glm5").joinpath("data")
 MODEL = Path(str(DATA.joinpath("tiny-glm53.gguf")))
@@ -68,15 +67,9 @@ def test_held_out_cross_entropy_far_below_uniform_and_as_in_the_card(engine):
 
 
 def test_mtp_block_predicts_the_token_after_next_as_in_the_card(engine):
-    drafter = MtpDrafter(engine.model)
-    tok = engine.tokenizer
-    total = count = 0
-    for text in held_out_texts().values():
-        ids = [tok.bos_id, *tok.encode(text[:PREFIX_CHARS])][:SUBSET_TOKENS]
-        nats, n = drafter.cross_entropy(np.asarray(ids))
-        total, count = total + nats, count + n
-    loss = total / count
-    uniform = math.log(tok.vocab_size)
+    loss = mtp_mean_loss(engine, MtpDrafter(engine.model).cross_entropy, list(held_out_texts().values()),
+                         tokens=SUBSET_TOKENS, prefix_chars=PREFIX_CHARS, bos=True)
+    uniform = math.log(engine.tokenizer.vocab_size)
     assert loss < uniform - MARGIN, f"MTP held-out loss {loss:.3f} is not far below the uniform {uniform:.3f}"
     assert abs(loss - card_value(CARD, "MTP held-out test subset loss")) < TOLERANCE, loss
 

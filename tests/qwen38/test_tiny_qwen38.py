@@ -6,18 +6,18 @@ out when ``sha1(relative path) % 10 == 0``, see docs/tiny-models.md), so no test
 
 from __future__ import annotations
 
+import functools
 import math
 from importlib import resources
 from pathlib import Path
 
-import numpy as np
 import pytest
 from click.testing import CliRunner
 from ds4_model_qwen38.mtp import mtp_cross_entropy
 
 from ds4_core.cli import cli
 from ds4_core.engine import Engine
-from ds4_core.testing.heldout import HELD_OUT_FILES, card_value, held_out_sources, is_held_out, mean_loss
+from ds4_core.testing.heldout import HELD_OUT_FILES, card_value, held_out_sources, is_held_out, mean_loss, mtp_mean_loss
 
 DATA = resources.files("ds4_model_qwen38").joinpath("data")
 MODEL = Path(str(DATA.joinpath("tiny-qwen38.gguf")))
@@ -67,12 +67,8 @@ def test_held_out_cross_entropy_far_below_uniform_and_as_in_the_card(engine):
 
 
 def test_mtp_head_predicts_the_token_after_next_as_in_the_card(engine):
-    total = count = 0
-    for text in held_out_texts().values():
-        ids = engine.tokenizer.encode(text[:PREFIX_CHARS])[:SUBSET_TOKENS]
-        nats, n = mtp_cross_entropy(engine.model, np.asarray(ids))
-        total, count = total + nats, count + n
-    loss = total / count
+    loss = mtp_mean_loss(engine, functools.partial(mtp_cross_entropy, engine.model), list(held_out_texts().values()),
+                         tokens=SUBSET_TOKENS, prefix_chars=PREFIX_CHARS, bos=False)
     uniform = math.log(engine.tokenizer.vocab_size)
     assert loss < uniform - MARGIN, f"MTP held-out loss {loss:.3f} is not far below the uniform {uniform:.3f}"
     assert abs(loss - card_value(CARD, "MTP held-out test subset loss")) < TOLERANCE, loss
