@@ -102,6 +102,7 @@ def test_info_summarises_full_size_flash_metadata_without_tensor_data(tmp_path):
     assert info["tensor_bytes"] == total and 75e9 < total < 90e9  # the published Q2 file is ~81 GB
     assert set(info["types"]) == {"F16", "F32", "Q8_0", "IQ2_XXS", "Q2_K", "I32"}
     assert info["parameters"] > 280e9  # Flash: 284B parameters
+    assert info["model"]["MTP block"] == "none in this file"  # ds4 ships the Flash MTP block as a separate GGUF
     table = subprocess.run([sys.executable, "-m", "ds4_core.cli", "info", str(path)], capture_output=True,
                            text=True, env=env, timeout=120)
     assert table.returncode == 0 and "DeepSeek V4 Flash" in table.stdout

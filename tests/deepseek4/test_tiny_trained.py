@@ -72,6 +72,12 @@ def test_shipped_file_is_small_q8_0_deepseek4(engine):
     assert engine.tokenizer.vocab_size == int(card_value(CARD, "vocabulary"))
 
 
+def test_info_reports_the_shipped_mtp_block(engine):
+    from ds4_model_deepseek4.describe import describe
+
+    assert describe(engine.gguf)["MTP block"].startswith("present (32 mtp.0.* tensors")
+
+
 def test_files_scored_are_held_out_by_the_split_rule():
     for name in HELD_OUT_FILES:
         assert is_held_out(name), name

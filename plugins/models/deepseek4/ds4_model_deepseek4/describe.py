@@ -28,5 +28,7 @@ def describe(gguf: Any) -> dict[str, str]:
                    f"{cfg.n_shared_experts} shared" + (f", {experts.type_name}" if experts else ""),
         "hyper-connections": f"{cfg.hc_mult} streams, {cfg.hc_sinkhorn_iters} Sinkhorn iterations",
         "context": f"{cfg.context_length} tokens (YaRN ×{cfg.yarn_factor:g} on compressed layers)",
+        "MTP block": (f"present ({sum(n.startswith('mtp.0.') for n in gguf.tensors)} mtp.0.* tensors; a drafter "
+                      "of the token after next)" if "mtp.0.e_proj.weight" in gguf.tensors else "none in this file"),
         **state_summary(lambda ctx: state_breakdown(cfg, ctx), cfg.context_length),
     }
