@@ -8,7 +8,6 @@ for "usable" is a fresh session on an intact engine given the same tokens: its l
 from __future__ import annotations
 
 import shutil
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -145,12 +144,11 @@ def interrupt_at(deepseek, monkeypatch):
             nonlocal calls
             calls += 1
             if calls == n:
-                signal.raise_signal(signal.SIGINT)
+                raise KeyboardInterrupt  # what Ctrl-C raises there (not a signal: CI may run with SIGINT ignored)
             return attention(*args, **kwargs)
 
         monkeypatch.setitem(deepseek.ops._kernels, "sparse_attention", counted)
 
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     return arm
 
 
