@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from ds4_bench.synthetic import print_report, run_all
+from ds4_bench.synthetic_deepseek4 import MODEL
+from ds4_bench.synthetic_run import print_report, run_model
 
 
 def main() -> None:
@@ -21,7 +22,7 @@ def main() -> None:
     args = parser.parse_args()
     results = []
     for recipe in args.recipe:
-        r = run_all(recipe=recipe, layers=args.layers, repeats=args.repeats)
+        r = run_model(MODEL, recipe, args.layers, args.repeats)
         print_report(r)
         results.append(r)
     if args.out:

@@ -36,9 +36,9 @@ def test_recipe_the_model_lacks_is_a_clear_usage_error():
 
 
 def test_cli_recipes_match_the_models():
-    from ds4_bench import plugin, synthetic, synthetic_glm53, synthetic_qwen38
+    from ds4_bench import plugin, synthetic_deepseek4, synthetic_glm53, synthetic_qwen38
 
-    assert set(plugin.MODELS["deepseek4-flash"]) == set(synthetic.RECIPES)
+    assert set(plugin.MODELS["deepseek4-flash"]) == set(synthetic_deepseek4.MODEL.recipes)
     assert set(plugin.MODELS["glm53-flash"]) == set(synthetic_glm53.MODEL.recipes) == set(synthetic_glm53.RECIPES)
     assert set(plugin.MODELS["qwen38-flash"]) == set(synthetic_qwen38.MODEL.recipes) == set(synthetic_qwen38.RECIPES)
 

@@ -1,1 +1,2 @@
-"""`ds4 bench`: synthetic DeepSeek V4 benchmarks built in GPU memory, reported against measured device ceilings."""
+"""`ds4 bench`: synthetic DeepSeek V4 Flash, GLM 5.3 Flash and Qwen3.8 Flash Next built in GPU memory, reported against
+measured device ceilings."""

@@ -12,8 +12,9 @@ DS4_PLUGIN_API = 1
 #: ``--synthetic`` model -> the recipes it has. Static, so the CLI imports nothing heavy.
 MODELS: dict[str, tuple[str, ...]] = {"deepseek4-flash": ("q2", "q4", "mxfp4"), "glm53-flash": ("q2", "q4"),
                                       "qwen38-flash": ("q2", "q4")}
-#: Models built from a weight plan (:mod:`.synthetic_plan`) -> the module whose ``MODEL`` describes them.
-PLAN_MODULES: dict[str, str] = {"glm53-flash": "synthetic_glm53", "qwen38-flash": "synthetic_qwen38"}
+#: ``--synthetic`` model -> the module whose ``MODEL`` (a :class:`.synthetic_plan.SyntheticModel`) describes it.
+MODEL_MODULES: dict[str, str] = {"deepseek4-flash": "synthetic_deepseek4", "glm53-flash": "synthetic_glm53",
+                                 "qwen38-flash": "synthetic_qwen38"}
 
 
 @click.command("bench")
@@ -23,13 +24,16 @@ PLAN_MODULES: dict[str, str] = {"glm53-flash": "synthetic_glm53", "qwen38-flash"
               help="Routed-expert formats: q2 = IQ2_XXS gate/up + Q2_K down, q4 = Q4_K (Qwen: MXFP4 down), "
                    "mxfp4 = MXFP4 (DeepSeek only).")
 @click.option("--layers", type=click.IntRange(min=1), default=None,
-              help="Decoder layers to build (default: all of the model's, fewer if memory is short).")
+              help="Decoder layers to build for decode (default: all of the model's, fewer if memory is short).")
 @click.option("--repeats", type=int, default=20, show_default=True, help="Timed repetitions of each measurement.")
-@click.option("--prefill-tokens", type=int, multiple=True, default=(2048, 16384), show_default=True,
-              help="Token counts of the prefill matmuls (deepseek4-flash).")
+@click.option("--context", "contexts", type=click.IntRange(min=1), multiple=True, default=(2048, 32768),
+              show_default=True, help="Cached tokens whose state reads a decode step adds (context 0, weights only, "
+                                      "is always measured).")
+@click.option("--prefill-tokens", type=click.IntRange(min=1), multiple=True, default=(2048, 16384), show_default=True,
+              help="Token counts of the prefill matmuls.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON instead of a table.")
-def bench(synthetic: str, recipe: str, layers: int | None, repeats: int, prefill_tokens: tuple[int, ...],
-          as_json: bool) -> None:
+def bench(synthetic: str, recipe: str, layers: int | None, repeats: int, contexts: tuple[int, ...],
+          prefill_tokens: tuple[int, ...], as_json: bool) -> None:
     """Benchmark the CUDA backend on a synthetic DeepSeek V4 Flash, GLM 5.3 Flash or Qwen3.8 Flash Next against
     the HBM and tensor-core roofs."""
     import importlib
@@ -46,15 +50,10 @@ def bench(synthetic: str, recipe: str, layers: int | None, repeats: int, prefill
     if cuda is None or not cuda.usable:
         raise BackendError("ds4 bench measures the CUDA backend, which cannot run here: "
                            + (cuda.reason if cuda else "it is not installed (pip install 'ds4-core[cuda]')"))
-    if synthetic in PLAN_MODULES:
-        from .synthetic_plan import print_report, run_model
+    from .synthetic_run import print_report, run_model
 
-        model = importlib.import_module(f".{PLAN_MODULES[synthetic]}", __package__).MODEL
-        results = run_model(model, recipe, layers, repeats)
-    else:
-        from .synthetic import print_report, run_all
-
-        results = run_all(recipe=recipe, layers=layers, repeats=repeats, prefill_tokens=prefill_tokens)
+    model = importlib.import_module(f".{MODEL_MODULES[synthetic]}", __package__).MODEL
+    results = run_model(model, recipe, layers, repeats, contexts, prefill_tokens)
     if as_json:
         click.echo(json.dumps(results, indent=1))
     else:

@@ -1,4 +1,5 @@
-"""GLM 5.3 Flash (``glm5-next``) for ``ds4 bench --synthetic glm53-flash``: the weight plan of one decode token.
+"""GLM 5.3 Flash (``glm5-next``) for ``ds4 bench --synthetic glm53-flash``: the weight plan and state reads of one
+decode token.
 
 Shapes and formats follow the published ds4 GGUFs (spec glm5.md §2.2, §10.3). Where the spec names no format
 (KDA gates/beta/output, MLA projections, dense FFN) the plan uses Q8_0, ds4's format for attention and shared
@@ -7,13 +8,13 @@ matrices; in Q2 files the KDA q/k projections are Q4_K.
 
 from __future__ import annotations
 
-from .synthetic_plan import Matrix, Plan, RoutedExperts, SyntheticModel
+from .synthetic_plan import Matrix, Plan, RoutedExperts, SyntheticModel, selected_tokens, state_rows
 
-#: GLM 5.3 Flash text dimensions (spec glm5.md §2.2).
+#: GLM 5.3 Flash text dimensions (spec glm5.md §2.2); ``index_pool`` tokens per pooled indexer key.
 GLM53_FLASH: dict[str, int] = {"hidden": 4096, "layers": 45, "vocab": 154880, "dense_layers": 3, "dense_inter": 12288,
                                "q_lora": 1536, "kv_lora": 512, "heads": 64, "head_dim": 256, "index_heads": 32,
-                               "index_dim": 128, "linear_heads": 64, "linear_dim": 128, "experts": 288, "k": 8,
-                               "inter": 2048, "hc": 4}
+                               "index_dim": 128, "index_topk": 2048, "index_pool": 4, "linear_heads": 64,
+                               "linear_dim": 128, "experts": 288, "k": 8, "inter": 2048, "hc": 4}
 #: Per recipe: routed gate/up format, routed down format, KDA q/k format.
 RECIPES: dict[str, tuple[str, str, str]] = {"q2": ("IQ2_XXS", "Q2_K", "Q4_K"), "q4": ("Q4_K", "Q4_K", "Q8_0")}
 
@@ -76,7 +77,28 @@ def decode_plan(recipe: str, layers: int, shapes: dict[str, int] = GLM53_FLASH) 
     return plan
 
 
+def state_plan(layers: int, context: int, shapes: dict[str, int] = GLM53_FLASH) -> Plan:
+    """The state one token reads with ``context`` cached tokens (spec §6.3, §6.4, §7): KDA layers their recurrent
+    state (``linear_heads`` × ``linear_dim``², whatever the context); DSA layers the latent rows of the selected
+    tokens (the best ``index_topk`` pooled tokens plus the open pool, all tokens while fewer) and every complete
+    pooled indexer key (``context // index_pool`` × ``index_dim``, all scored)."""
+    s = shapes
+    ld = s["linear_dim"]
+    plan: Plan = []
+    for i in range(layers):
+        p = f"blk.{i}."
+        if is_dsa_layer(i):
+            plan += state_rows(p + "latent_kv_selected", selected_tokens(context, s["index_pool"], s["index_topk"]),
+                               s["kv_lora"])
+            plan += state_rows(p + "indexer_pooled_keys", context // s["index_pool"], s["index_dim"])
+        else:
+            plan += state_rows(p + "kda_state", s["linear_heads"] * ld, ld)
+    return plan
+
+
 MODEL = SyntheticModel(
     "GLM 5.3 Flash", GLM53_FLASH["layers"],
     {"q2": "IQ2_XXS gate/up + Q2_K down experts, Q4_K KDA q/k", "q4": "Q4_K experts, Q8_0 KDA q/k"},
-    decode_plan)
+    decode_plan, state_plan,
+    "KDA recurrent state (64 x 128 x 128 per KDA layer), DSA latent rows of the selected tokens (<=2051 x 512) and "
+    "the pooled indexer keys (ctx/4 x 128), float32; KDA conv history and the open pool's raw keys not included")

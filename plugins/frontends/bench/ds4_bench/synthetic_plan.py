@@ -1,26 +1,23 @@
-"""A decode step described as a *weight plan* (every matrix one batch-1 token reads, in launch order), built in
-GPU memory from random valid GGUF blocks (:mod:`.synthetic`), timed eagerly and as one CUDA graph against the
-copy bandwidth measured in the same run.
+"""Synthetic models for ``ds4 bench`` as plain data: the *weight plan* of one decode token (every matrix a batch-1
+token reads, in launch order), the *state reads* that grow with the context, and the prefill matmuls both imply.
 
-The GLM 5.3 Flash and Qwen3.8 Flash Next models of ``ds4 bench --synthetic`` are plans. A plan is plain data, so
-its byte counts (read per step, resident in memory) are known without a GPU, which also sizes how many layers fit.
+A plan holds no device memory, so its byte and FLOP counts are known without a GPU (which also sizes how many
+layers fit). :mod:`.synthetic_run` builds plans in GPU memory and times them.
 """
 
 from __future__ import annotations
 
-import time
+import re
 from collections.abc import Callable
-from typing import Any
 
 import attrs
-import numpy as np
 
 from ds4_core.quants import block_geometry, tensor_nbytes
 
-from .synthetic import Step, _Builder, _time, bf16_matmul_rate, copy_bandwidth
-
-#: Device bytes kept free when the number of layers is chosen from free memory (activations, CuPy, cuBLAS).
+#: Device bytes kept free when the number of layers is chosen from free memory (activations, state, CuPy, cuBLAS).
 MEMORY_MARGIN = 4_000_000_000
+#: Bytes per element of the cached state (the engines keep KV rows, indexer keys and recurrent state in float32).
+STATE_ELEMENT_BYTES = 4
 
 
 @attrs.frozen
@@ -81,28 +78,64 @@ class RoutedExperts:
         return self.experts * self.expert_bytes
 
 
-Plan = list[Matrix | RoutedExperts]
+@attrs.frozen
+class StateRead:
+    """``rows × width`` float32 state values one decode step reads (cache rows, indexer keys, recurrent state),
+    timed as one float32 GEMV over a buffer of exactly that size (a query against every row it reads)."""
+
+    name: str
+    rows: int
+    width: int
+
+    @property
+    def read_bytes(self) -> int:
+        return self.rows * self.width * STATE_ELEMENT_BYTES
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.read_bytes
+
+
+Plan = list[Matrix | RoutedExperts | StateRead]
 
 
 @attrs.frozen
 class SyntheticModel:
-    """A model ``ds4 bench --synthetic`` can build: ``plan(recipe, layers)`` gives its first ``layers`` decoder
-    layers plus the head at full shapes; ``recipes`` maps each recipe name to a one-line description."""
+    """A model ``ds4 bench --synthetic`` can build.
+
+    ``plan(recipe, layers)``: the weights of its first ``layers`` decoder layers plus the head at full shapes
+    (layer items are named ``blk.{i}.…``). ``state(layers, context)``: the :class:`StateRead` items of those layers
+    for one token decoded with ``context`` tokens in the cache (itself included). ``recipes`` maps each recipe name
+    to a one-line description; ``state_note`` says which state reads ``state`` models.
+    """
 
     title: str
     layers: int
     recipes: dict[str, str]
     plan: Callable[[str, int], Plan]
+    state: Callable[[int, int], Plan]
+    state_note: str
 
 
 def read_bytes(plan: Plan) -> int:
-    """Weight bytes one decode step of ``plan`` reads."""
+    """Bytes one decode step of ``plan`` reads."""
     return sum(item.read_bytes for item in plan)
 
 
 def resident_bytes(plan: Plan) -> int:
-    """Device bytes the weights of ``plan`` occupy (every routed expert, not only the ``k`` read)."""
+    """Device bytes ``plan`` occupies (every routed expert, not only the ``k`` read)."""
     return sum(item.resident_bytes for item in plan)
+
+
+def state_rows(name: str, rows: int, width: int) -> Plan:
+    """``[StateRead(name, rows, width)]``, or nothing when there are no rows yet (a short context)."""
+    return [StateRead(name, rows, width)] if rows > 0 else []
+
+
+def selected_tokens(context: int, block: int, budget: int) -> int:
+    """Tokens a pooled / block-sparse selection attends with ``context`` visible tokens: the ``budget // block``
+    best complete blocks of ``block`` tokens (all of them while there are no more) plus the open tail."""
+    return block * min(budget // block, context // block) + context % block
 
 
 def fitting_layers(model: SyntheticModel, recipe: str, free_bytes: int) -> int:
@@ -111,106 +144,60 @@ def fitting_layers(model: SyntheticModel, recipe: str, free_bytes: int) -> int:
     return next((n for n in range(model.layers, 0, -1) if resident_bytes(model.plan(recipe, n)) <= budget), 1)
 
 
-def build_step(plan: Plan, seed: int = 0) -> Step:
-    """The launches of ``plan`` over preallocated device buffers (the backend's own GEMV and routed-expert kernels).
+@attrs.frozen
+class PrefillMatmul:
+    """One dense matmul shape of prefill, ``[T, cols] @ [rows, cols]ᵀ``, made ``calls`` times per model by the
+    tensors ``names`` (a grouped matrix counts once per group)."""
 
-    Each matrix reads its own random activation. Routed gate/up reads one random token; down reads the SwiGLU
-    output, or, when its rows are padded, a separate activation of the padded width whose padding is zero
-    (copying the SwiGLU output into it is glue, which the step leaves out like the rest of the elementwise work).
+    names: tuple[str, ...]
+    qtype: str
+    rows: int
+    cols: int
+    calls: int
+
+    def flops(self, tokens: int) -> int:
+        """Multiply-adds × 2 of one call at ``tokens`` tokens."""
+        return 2 * tokens * self.rows * self.cols
+
+
+@attrs.frozen
+class PrefillExperts:
+    """The routed experts of one MoE layer shape, run ``calls`` times per model (once per MoE layer)."""
+
+    experts: RoutedExperts
+    calls: int
+
+    def flops(self, tokens: int) -> int:
+        """Multiply-adds × 2 of one call: ``tokens · k`` (token, expert) pairs through gate, up and down at the
+        model's own ``inter`` (zero padding of the down rows is not useful work)."""
+        e = self.experts
+        return 2 * tokens * e.k * 3 * e.inter * e.hidden
+
+
+_LAYER = re.compile(r"^blk\.\d+\.")
+
+
+def prefill_plan(plan: Plan) -> tuple[list[PrefillMatmul], list[PrefillExperts]]:
+    """The distinct dense matmuls and routed-expert shapes of prefill over the decoder layers of ``plan`` (a whole
+    model's weight plan), each with its calls per model, in order of first use.
+
+    The head is left out (prefill needs the last token's logits only), and so is state (attention is not a
+    weight matmul).
     """
-    import cupy as cp
-
-    rng = np.random.default_rng(seed)
-    b = _Builder(rng)
+    dense: dict[tuple[str, int, int], tuple[list[str], int]] = {}
+    routed: dict[RoutedExperts, int] = {}
     for item in plan:
-        if isinstance(item, Matrix):
-            b.gemv(item.qtype, item.rows, item.cols, item.groups)
+        if not _LAYER.match(item.name):
             continue
-        idx = cp.asarray(rng.choice(item.experts, item.k, replace=False).astype(np.int32))
-        x = cp.asarray(rng.standard_normal((1, item.hidden), dtype=np.float32))
-        h = b.gate_up(item.gate_up, item.experts, item.inter, item.hidden, idx, x)
-        if item.down_cols > item.inter:
-            h = cp.zeros((item.k, item.down_cols), dtype=cp.float32)
-            h[:, :item.inter] = cp.asarray(rng.standard_normal((item.k, item.inter), dtype=np.float32))
-        b.experts(item.down, item.experts, item.hidden, item.down_cols, idx, h)
-    return Step(b.launches, b.outputs)
-
-
-def decode_results(model: SyntheticModel, recipe: str, layers: int, repeats: int,
-                   bandwidth: float) -> dict[str, Any]:
-    """Eager and CUDA-graph timings of ``layers`` layers (+ head) of ``model``, with the roofline fraction.
-
-    Outputs are poisoned with NaN before the graph is captured, so ``graph_matches_eager`` proves the replay wrote
-    them. ``projected_tokens_per_s`` scales the graph time to the full model by weight bytes (the layers of a
-    hybrid model differ, so a per-layer time would mislead).
-    """
-    import cupy as cp
-
-    plan = model.plan(recipe, layers)
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        step = build_step(plan)
-        eager = _time(step.run, repeats)
-        eager_out = [cp.asnumpy(o) for o in step.outputs]
-        for o in step.outputs:
-            o.fill(np.nan)
-        stream.begin_capture()
-        step.run()
-        graph = stream.end_capture()
-        graph.upload(stream)
-        replay = _time(lambda: graph.launch(stream), repeats)
-        same = all(np.array_equal(a, cp.asnumpy(o)) for a, o in zip(eager_out, step.outputs, strict=True))
-    free, total = cp.cuda.runtime.memGetInfo()
-    nbytes = step.nbytes
-    full_bytes = read_bytes(model.plan(recipe, model.layers))
-    return {"model": model.title, "recipe": recipe, "recipe_formats": model.recipes[recipe], "layers": layers,
-            "full_layers": model.layers, "launches": len(step.launches), "bytes_per_step": nbytes,
-            "full_model_bytes_per_step": full_bytes, "eager_s": eager, "graph_s": replay,
-            "graph_matches_eager": same, "eager_fraction": nbytes / eager / bandwidth,
-            "graph_fraction": nbytes / replay / bandwidth, "projected_tokens_per_s": nbytes / (replay * full_bytes),
-            "peak_pool_bytes": cp.get_default_memory_pool().total_bytes(), "device_used_bytes": total - free}
-
-
-def run_model(model: SyntheticModel, recipe: str = "q2", layers: int | None = None,
-              repeats: int = 20) -> dict[str, Any]:
-    """Every measurement of ``ds4 bench --synthetic`` for ``model``, as a JSON-able dict.
-
-    ``layers``: decoder layers to build (default: all that fit in free device memory; capped at the model's).
-    """
-    import cupy as cp
-
-    device = cp.cuda.Device()
-    props = cp.cuda.runtime.getDeviceProperties(device.id)
-    t0 = time.perf_counter()
-    bandwidth = copy_bandwidth()
-    rate, how = bf16_matmul_rate()
-    cp.get_default_memory_pool().free_all_blocks()
-    if layers is None:
-        layers = fitting_layers(model, recipe, cp.cuda.runtime.memGetInfo()[0])
-    layers = min(layers, model.layers)
-    results = {"device": props["name"].decode(), "hbm_copy_bytes_per_s": bandwidth, "matmul_flop_per_s": rate,
-               "matmul_how": how}
-    results["decode"] = decode_results(model, recipe, layers, repeats, bandwidth)
-    results["seconds"] = time.perf_counter() - t0
-    return results
-
-
-def print_report(r: dict[str, Any]) -> None:
-    """The results of :func:`run_model` as a plain-text table on stdout (the layout of the DeepSeek report)."""
-    d = r["decode"]
-    gb = 1e9
-    print(f"device: {r['device']}")
-    print(f"HBM copy bandwidth (read+write): {r['hbm_copy_bytes_per_s'] / gb:.0f} GB/s; "
-          f"matmul roof: {r['matmul_flop_per_s'] / 1e12:.0f} TFLOP/s ({r['matmul_how']})")
-    print(f"{d['model']} decode step, recipe {d['recipe']} ({d['recipe_formats']}), {d['layers']} of "
-          f"{d['full_layers']} layers, {d['launches']} launches, {d['bytes_per_step'] / gb:.2f} GB of weights read "
-          f"(full model {d['full_model_bytes_per_step'] / gb:.2f} GB), peak pool {d['peak_pool_bytes'] / gb:.1f} GB, "
-          f"device memory in use {d['device_used_bytes'] / gb:.1f} GB")
-    for mode in ("eager", "graph"):
-        sec = d[f"{mode}_s"]
-        print(f"  {mode:5s}: {sec * 1e3:8.3f} ms  {d['bytes_per_step'] / sec / gb:7.0f} GB/s  "
-              f"{100 * d[f'{mode}_fraction']:5.1f}% of copy bandwidth")
-    print(f"  graph replay == eager: {d['graph_matches_eager']}; projected {d['projected_tokens_per_s']:.1f} t/s "
-          f"for {d['full_layers']} layers (weight streaming only)")
-    print("prefill: this model's matmul shapes are not benchmarked yet (deepseek4-flash reports the prefill kernels)")
-    print(f"total {r['seconds']:.1f} s")
+        if isinstance(item, Matrix):
+            names, calls = dense.setdefault((item.qtype, item.rows, item.cols), ([], 0))
+            name = _LAYER.sub("", item.name)
+            if name not in names:
+                names.append(name)
+            dense[item.qtype, item.rows, item.cols] = (names, calls + item.groups)
+        elif isinstance(item, RoutedExperts):
+            key = attrs.evolve(item, name=_LAYER.sub("", item.name))
+            routed[key] = routed.get(key, 0) + 1
+    return ([PrefillMatmul(tuple(names), qtype, rows, cols, calls)
+             for (qtype, rows, cols), (names, calls) in dense.items()],
+            [PrefillExperts(experts, calls) for experts, calls in routed.items()])

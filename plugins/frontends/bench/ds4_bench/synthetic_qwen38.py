@@ -1,4 +1,5 @@
-"""Qwen3.8 Flash Next (``qwen4exp``) for ``ds4 bench --synthetic qwen38-flash``: the weight plan of one decode token.
+"""Qwen3.8 Flash Next (``qwen4exp``) for ``ds4 bench --synthetic qwen38-flash``: the weight plan and state reads of
+one decode token.
 
 Shapes follow the released checkpoint (spec qwen38.md §2.1, §2.4), tensor names the ``qwen4exp`` GGUF (§9.2).
 Formats follow ds4's Qwen packs: Q2 = IQ2_XXS gate/up experts + Q2_K down padded from 640 to 768 columns, Q4 =
@@ -9,13 +10,15 @@ and is not part of the step.
 
 from __future__ import annotations
 
-from .synthetic_plan import Matrix, Plan, RoutedExperts, SyntheticModel
+from .synthetic_plan import Matrix, Plan, RoutedExperts, SyntheticModel, selected_tokens, state_rows
 
-#: Qwen3.8 Flash Next text dimensions (spec qwen38.md §2.1). ``ple_layer`` is 0-based (``ple_layer_ids = [2]``).
+#: Qwen3.8 Flash Next text dimensions (spec qwen38.md §2.1). ``ple_layer`` is 0-based (``ple_layer_ids = [2]``);
+#: ``index_ratio`` tokens per QSA block, ``index_budget`` tokens kept from complete blocks.
 QWEN38_FLASH: dict[str, int] = {"hidden": 2560, "layers": 48, "vocab": 248320, "heads": 24, "kv_heads": 2,
                                 "head_dim": 256, "key_heads": 16, "value_heads": 48, "key_dim": 128, "value_dim": 128,
                                 "experts": 512, "k": 10, "inter": 640, "shared_inter": 640, "hc": 4, "hc_rank": 320,
-                                "index_heads": 4, "index_dim": 128, "ple_layer": 1, "ple_dim": 2560}
+                                "index_heads": 4, "index_dim": 128, "index_ratio": 4, "index_budget": 2048,
+                                "ple_layer": 1, "ple_dim": 2560}
 #: Per recipe: routed gate/up format, routed down format.
 RECIPES: dict[str, tuple[str, str]] = {"q2": ("IQ2_XXS", "Q2_K"), "q4": ("Q4_K", "MXFP4")}
 
@@ -77,7 +80,28 @@ def decode_plan(recipe: str, layers: int, shapes: dict[str, int] = QWEN38_FLASH)
     return plan
 
 
+def state_plan(layers: int, context: int, shapes: dict[str, int] = QWEN38_FLASH) -> Plan:
+    """The state one token reads with ``context`` cached tokens (spec §4.5, §4.8, §5): gated delta-net layers their
+    recurrent state (``value_heads`` × ``key_dim`` × ``value_dim``, whatever the context); attention layers the K
+    and V rows of the selected tokens (the best ``index_budget`` block tokens plus the tail, all tokens while
+    fewer) and one cached key per complete index block (``context // index_ratio`` × ``index_dim``, all scored)."""
+    s = shapes
+    plan: Plan = []
+    for i in range(layers):
+        p = f"blk.{i}."
+        if is_attention_layer(i):
+            plan += state_rows(p + "kv_selected", selected_tokens(context, s["index_ratio"], s["index_budget"]),
+                               2 * s["kv_heads"] * s["head_dim"])
+            plan += state_rows(p + "indexer_block_keys", context // s["index_ratio"], s["index_dim"])
+        else:
+            plan += state_rows(p + "delta_net_state", s["value_heads"] * s["key_dim"], s["value_dim"])
+    return plan
+
+
 MODEL = SyntheticModel(
     "Qwen3.8 Flash Next", QWEN38_FLASH["layers"],
     {"q2": "IQ2_XXS gate/up + Q2_K down (padded to 768) experts", "q4": "Q4_K gate/up + MXFP4 down experts"},
-    decode_plan)
+    decode_plan, state_plan,
+    "gated delta-net state (48 x 128 x 128 per delta-net layer), K and V rows of the selected tokens (<=2051 x "
+    "2 x 2 x 256) and one pooled key per index block (ctx/4 x 128), float32; conv histories, PLE and n-gram reads "
+    "not included")
