@@ -66,6 +66,19 @@ class Backend:
         """Bytes still available for decoding state on this backend's device (``None``: unknown)."""
         return None
 
+    #: Whether :meth:`capture` records work for replay (a model then runs its decode steps as graphs).
+    graphs: bool = False
+
+    def capture(self, step: Callable[[], Any]) -> tuple[Any, Callable[[], Any] | None]:
+        """Run ``step`` once and, where this backend can, record it for replay.
+
+        Returns ``(what this run of step returned, replay)``. ``replay()`` repeats the recorded device work on the
+        buffers ``step`` used and returns the recorded run's outputs, overwritten by every replay. ``replay`` is
+        None when nothing was recorded (this base class, or a step the device could not record). ``step`` must
+        take no data-dependent decision on the host, since a replay repeats exactly the recorded launches.
+        """
+        return step(), None
+
 
 class Ops:
     """The op vocabulary bound to one backend: ``ops.linear(x, w)`` calls its kernel."""

@@ -3,9 +3,11 @@ sizes are checked against the published ds4 GGUF files."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -112,3 +114,21 @@ def test_fewer_layers_fit_when_memory_is_short():
     n = fitting_layers(MODEL, "q4", 139 * 2**30)
     assert 1 <= n < 45
     assert resident_bytes(MODEL.plan("q4", n)) <= 139 * 2**30 - MEMORY_MARGIN < resident_bytes(MODEL.plan("q4", n + 1))
+
+
+def test_bench_model_file_end_to_end_on_numpy():
+    from importlib import resources
+
+    model = Path(str(resources.files("ds4_model_deepseek4").joinpath("data", "tiny-deepseek4.gguf")))
+    result = CliRunner().invoke(cli, ["bench", "-m", str(model), "--backend", "numpy", "--prompt-tokens", "16",
+                                      "--decode-tokens", "4", "--json"])
+    assert result.exit_code == 0, result.output
+    r = json.loads(result.stdout[result.stdout.index("{"):])
+    assert r["backend"] == "numpy" and r["prompt_tokens"] == 16 and r["decode_tokens"] == 4
+    assert r["prefill_tokens_per_s"] > 0 and r["eager_decode_tokens_per_s"] > 0
+    assert "graph_decode_tokens_per_s" not in r  # numpy records no graphs
+
+
+def test_bench_model_file_must_exist(tmp_path):
+    result = CliRunner().invoke(cli, ["bench", "-m", str(tmp_path / "missing.gguf")])
+    assert result.exit_code != 0 and "does not exist" in result.output

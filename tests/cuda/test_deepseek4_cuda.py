@@ -115,3 +115,56 @@ def test_engine_runs_on_backend_cuda(cuda_backend, tiny_gguf):
     finally:
         for e in engines:
             e.close()
+
+
+def _load(path: Path, backend):
+    from ds4_model_deepseek4.loader import load
+
+    gguf = GGUFFile.open(path)
+    return gguf, load(gguf, WeightLoader(gguf, backend), _ops(backend), {})
+
+
+def _decode(model, backend, ids: np.ndarray, prompt: int) -> tuple[np.ndarray, object]:
+    state = model.new_state(256)
+    out = [backend.to_numpy(model.forward(ids[:prompt], state))]
+    out += [backend.to_numpy(model.forward(ids[p:p + 1], state)) for p in range(prompt, len(ids))]
+    return np.concatenate(out), state
+
+
+def test_decode_replays_one_cuda_graph_per_state_and_matches_eager_and_numpy(cuda_backend, tiny_gguf):
+    from ds4_core.backends.numpy import NumpyBackend
+
+    ids = _ids(PROMPT_TOKENS + 40)  # decode crosses CSA/HCA windows and the indexer's top-k
+    gguf, model = _load(tiny_gguf, cuda_backend)
+    try:
+        assert model.decode_graphs is not None
+        graphed, state = _decode(model, cuda_backend, ids, PROMPT_TOKENS)
+        assert model.decode_graphs.replays(state)
+        model.decode_graphs = None  # the same weights, each step launched eagerly
+        eager, _ = _decode(model, cuda_backend, ids, PROMPT_TOKENS)
+    finally:
+        gguf.close()
+    np.testing.assert_allclose(graphed, eager, rtol=1e-4, atol=1e-4 * np.abs(eager).max())
+    _close(graphed, _run(tiny_gguf, NumpyBackend(), [PROMPT_TOKENS] + [1] * 40, ids))
+
+
+def test_graphed_session_restores_and_decodes_the_same_tokens(cuda_backend, tiny_gguf):
+    from ds4_core.engine import Engine
+    from ds4_core.plugins import get_plugin_manager
+    from ds4_core.sampling import SamplingParams
+
+    if get_plugin_manager().registry.model_for_architecture("deepseek4") is None:
+        pytest.skip("the deepseek4 model plugin does not load in this checkout")
+    engine = Engine.load(tiny_gguf, backend="cuda", ctx=256)
+    try:
+        session = engine.new_session()
+        session.feed(_ids(30))
+        snap = session.snapshot()
+        greedy = SamplingParams(temperature=0.0)
+        first = [g.id for g in session.generate(max_tokens=24, sampling=greedy, stop_ids=())]
+        assert len(first) == 24 and engine.model.decode_graphs.replays(session.state)
+        session.restore(snap)  # a new state object: recorded again on its first step
+        again = [g.id for g in session.generate(max_tokens=24, sampling=greedy, stop_ids=())]
+        assert again == first
+    finally:
+        engine.close()

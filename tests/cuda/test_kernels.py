@@ -126,6 +126,17 @@ def test_topk_orders_ties_like_numpy(cuda_backend, rng):
     np.testing.assert_array_equal(got, ref.topk(scores, 7))
 
 
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 5000, 512), (3, 300, 6), (2, 5, 9)])
+def test_topk_on_larger_rows_and_k_beyond_the_row(cuda_backend, rng, rows, n, k):
+    from ds4_backend_cuda import ops
+
+    scores = rng.standard_normal((rows, n)).astype(np.float32)
+    scores[:, ::7] = np.round(scores[:, ::7])  # ties
+    got = cuda_backend.to_numpy(ops.topk(cuda_backend.asarray(scores), k))
+    assert got.shape == (rows, min(k, n))
+    np.testing.assert_array_equal(got, ref.topk(scores, k)[:, :min(k, n)])
+
+
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_sparse_attention_and_indexer(cuda_backend, with_sinks, rng):
     from ds4_backend_cuda import ops

@@ -298,3 +298,24 @@ def test_flash_schedule_from_metadata_values():
     kinds = [flash.layer_kind(layer) for layer in range(43)]
     assert kinds[:4] == ["sliding", "sliding", "csa", "hca"] and kinds.count("csa") == 21 and kinds.count("hca") == 20
     assert [flash.is_hash_layer(layer) for layer in range(4)] == [True, True, True, False]
+
+
+# ---------------------------------------------------------------- the one-token step with a device position
+
+
+@pytest.mark.parametrize("ctx", [64, 46])  # 46: the last windows of 4 and 8 tokens do not fit the row slots
+def test_decode_step_with_device_position_equals_token_by_token(model, one_by_one, ctx):
+    state, out = model.new_state(ctx), []
+    for p, token in enumerate(IDS):
+        logits, streams = model.decode_step(np.array([token], np.int32), np.array([p], np.int32), state)
+        assert streams.shape == (1, TINY.hc_mult, TINY.hidden_size)
+        out.append(logits)
+    np.testing.assert_allclose(np.concatenate(out), one_by_one, atol=1e-5 * np.abs(one_by_one).max())
+
+
+def test_decode_step_continues_a_chunked_prefill_with_qat_rounding(tiny_path):
+    qat_model = open_model(tiny_path, qat_rounding=True)
+    want, _ = feed(qat_model, [1] * len(IDS))
+    _, state = feed(qat_model, [21])  # 21: inside a window of 4 and of 8, past the sliding window
+    got = [qat_model.decode_step(IDS[p:p + 1], np.array([p], np.int32), state)[0] for p in range(21, len(IDS))]
+    np.testing.assert_allclose(np.concatenate(got), want[21:], atol=1e-5 * np.abs(want).max())

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from ds4_core.backend import Backend, Weight
 from ds4_core.errors import BackendError
+from ds4_core.log import get_logger
 from ds4_core.quants import tensor_nbytes
 
 from .modules import QUANT_TYPES, warm
@@ -35,6 +38,8 @@ class CudaBackend(Backend):
         self.device.use()
         self.options = options
         self._peak = 0
+        #: Decode steps replay CUDA graphs unless ``DS4_CUDA_GRAPHS=0``.
+        self.graphs = os.environ.get("DS4_CUDA_GRAPHS", "1") != "0"
         warm()
 
     def upload(self, name: str, qtype: str, shape: tuple[int, ...], raw: np.ndarray) -> Weight:
@@ -74,3 +79,36 @@ class CudaBackend(Backend):
         free, total = self.xp.cuda.runtime.memGetInfo()
         return {"used": pool.used_bytes(), "reserved": pool.total_bytes(), "peak": self._peak,
                 "free": free, "total": total}
+
+    def capture(self, step: Callable[[], Any]) -> tuple[Any, Callable[[], Any] | None]:
+        """Run ``step`` on a private stream, then record it as a CUDA graph replayed on the caller's stream.
+
+        The real run fills a private memory pool with the step's scratch blocks, so recording allocates nothing new
+        and the graph's scratch never returns to the shared pool (where other work could take it between replays).
+        A step the device cannot record (a host round trip inside it) logs why and gets no graph.
+        """
+        cupy = self.xp
+        pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+        caller = cupy.cuda.get_current_stream()
+        stream.wait_event(caller.record())
+        with cupy.cuda.using_allocator(pool.malloc), stream:
+            outputs = step()
+            try:
+                stream.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeRelaxed)
+                try:
+                    recorded = step()
+                finally:
+                    graph = stream.end_capture()
+            except Exception as exc:  # any failure to record leaves the eager step, which worked
+                get_logger(backend="cuda").warning("decode step not recorded as a CUDA graph; it runs eagerly",
+                                                   reason=str(exc))
+                caller.wait_event(stream.record())
+                return outputs, None
+        caller.wait_event(stream.record())
+
+        def replay() -> Any:
+            graph.launch(cupy.cuda.get_current_stream())
+            return recorded
+
+        replay.resources = (pool, stream, graph)  # alive as long as the replay
+        return outputs, replay

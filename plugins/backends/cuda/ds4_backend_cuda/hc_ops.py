@@ -26,6 +26,11 @@ def _hc_mix(S: Any, fn: Weight, norm_eps: float) -> Any:
     return linear(z, fn)
 
 
+def _weighted_streams(w: Any, S: Any) -> Any:
+    """``Σ_n w[t, n] · S[t, n]`` -> ``[T, D]``, elementwise (no cuBLAS, so a decode step stays capturable)."""
+    return (w[:, :, None] * S).sum(axis=1)
+
+
 def hc_pre(S: Any, fn: Weight, scale: Weight, base: Weight, iters: int, eps: float,
            norm_eps: float) -> tuple[Any, Any, Any]:
     """``S [T, n, D]`` -> (``c [T, D]``, ``post [T, n]``, ``comb [T, n, n]``), Sinkhorn-balanced ``comb``."""
@@ -41,19 +46,20 @@ def hc_pre(S: Any, fn: Weight, scale: Weight, base: Weight, iters: int, eps: flo
     for _ in range(iters - 1):
         comb = comb / (comb.sum(axis=-1, keepdims=True) + F32(eps))
         comb = comb / (comb.sum(axis=-2, keepdims=True) + F32(eps))
-    c = cp.einsum("tn,tnd->td", pre, S)
+    c = _weighted_streams(pre, S)
     return c.astype(F32), post.astype(F32), comb.astype(F32)
 
 
 def hc_post(S: Any, y: Any, post: Any, comb: Any) -> Any:
     """``S'_k = post_k · y + Σ_i comb[i, k] · S_i``; ``S [T, n, D]`` -> ``[T, n, D]``."""
-    return (post[:, :, None] * y[:, None, :] + cp.einsum("tik,tid->tkd", comb, S)).astype(F32)
+    mixed = (comb[:, :, :, None] * S[:, :, None, :]).sum(axis=1)  # n² D per token: no cuBLAS (graph-capturable)
+    return (post[:, :, None] * y[:, None, :] + mixed).astype(F32)
 
 
 def hc_head(S: Any, fn: Weight, scale: Weight, base: Weight, eps: float, norm_eps: float) -> Any:
     """Final collapse of the streams ``S [T, n, D]`` -> ``[T, D]``."""
     w = _sigmoid(_hc_mix(S, fn, norm_eps) * values(scale)[0] + values(base)) + F32(eps)
-    return cp.einsum("tn,tnd->td", w, S).astype(F32)
+    return _weighted_streams(w, S).astype(F32)
 
 
 def softmax_pool(kv: Any, gate: Any) -> Any:

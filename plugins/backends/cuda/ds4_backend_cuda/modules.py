@@ -2,8 +2,8 @@
 
 Each weight format gets its own module (five kernels; the formats of :data:`INT8_TYPES` also get the integer
 decode kernels of ``quant_int8.cu``, compiled after ``quant.cu`` in the same module), so the formats compile in
-parallel threads and a process that needs one format compiles only that one; the recurrent-layer kernels are one
-more module. CuPy keys
+parallel threads and a process that needs one format compiles only that one; the recurrent-layer kernels and the
+top-k selection with the small decode contractions are two more modules. CuPy keys
 its on-disk kernel cache by source text and options, so an unchanged source compiles once per machine;
 :func:`warm` forces that at load time rather than at the first token.
 """
@@ -88,6 +88,17 @@ def recurrent_module() -> Any:
     return module
 
 
+@functools.cache
+def select_module() -> Any:
+    """The compiled ``select.cu`` + ``rows.cu``: ``topk_rank``, ``dot_rows``, ``mix_rows``."""
+    import cupy
+
+    module = cupy.RawModule(code=source("select.cu") + source("rows.cu"), options=_OPTIONS)
+    for name in ("topk_rank", "dot_rows", "mix_rows"):
+        module.get_function(name)
+    return module
+
+
 def warm() -> None:
     """Compile (or load from CuPy's cache) every module now, in parallel."""
     import cupy
@@ -98,6 +109,7 @@ def warm() -> None:
         with cupy.cuda.Device(device):
             if qtype is None:
                 recurrent_module()
+                select_module()
             else:
                 quant_module(qtype)
 

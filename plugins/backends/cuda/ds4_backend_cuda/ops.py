@@ -16,7 +16,7 @@ import numpy as np
 
 from ds4_core.backend import Weight
 
-from .modules import INT8_TYPES, quant_kernel, quantize_kernel
+from .modules import INT8_TYPES, quant_kernel, quantize_kernel, select_module
 from .prefill import prefill_linear, prefill_moe
 
 F32 = cp.float32
@@ -305,16 +305,58 @@ def swiglu(gate: Any, up: Any, limit: float) -> Any:
     return _swiglu_kernel(gate.astype(F32, copy=False), up.astype(F32, copy=False), F32(limit))
 
 
+_SELECT_THREADS = 256
+_MAX_GRID_Y = 65535
+
+
 def topk(scores: Any, k: int) -> Any:
-    """Indices ``[T, k]`` (int32) of the ``k`` largest of each row, largest first, ties to the lowest index."""
-    key = F32(0) - cp.asarray(scores, dtype=F32)  # 0 - s also maps -0.0 to +0.0, which a radix sort tells apart
-    return cp.argsort(key, axis=-1)[:, :k].astype(cp.int32)
+    """Indices ``[T, min(k, R)]`` (int32) of the ``k`` largest of each row of ``scores [T, R]``, largest first, ties
+    to the lowest index; on the device, without host synchronisation (``kernels/select.cu``)."""
+    scores = cp.ascontiguousarray(scores, dtype=F32)
+    T, n = scores.shape
+    k = min(k, n)
+    out = cp.empty((T, k), dtype=cp.int32)
+    kernel = select_module().get_function("topk_rank")
+    for r0 in range(0, T if k else 0, _MAX_GRID_Y):
+        rows = min(_MAX_GRID_Y, T - r0)
+        kernel((-(-n // _SELECT_THREADS), rows), (_SELECT_THREADS,), (scores[r0:r0 + rows], _i32(n), _i32(k),
+               out[r0:r0 + rows]), shared_mem=_SELECT_THREADS * 4)
+    return out
+
+
+def _contract(kernel: str, a: Any, b: Any, J: int, n: int) -> Any:
+    a, b = cp.ascontiguousarray(a, dtype=F32), cp.ascontiguousarray(b, dtype=F32)
+    T, rows = a.shape[:2]
+    c = cp.empty((T, rows, n), dtype=F32)
+    if c.size:
+        batch = np.int64(0 if b.ndim == 2 else b.shape[1] * b.shape[2])
+        D = b.shape[-1] if kernel == "dot_rows" else n
+        select_module().get_function(kernel)((-(-n // 128), rows, T), (128,),
+                                             (a, b, c, _i32(rows), _i32(J), _i32(D), batch))
+    return c
+
+
+def contract_dot(a: Any, b: Any) -> Any:
+    """``c[t, i, j] = Σ_d a[t, i, d] · b[t, j, d]`` for ``a [T, I, d]`` and ``b [T, J, d]`` (or ``[J, d]``, shared).
+
+    Few tokens: ``kernels/rows.cu`` (CuPy refuses cuBLAS while a decode step is recorded as a graph); else cuBLAS.
+    """
+    if a.shape[0] > GEMV_TOKENS:
+        return cp.einsum("tid,tjd->tij" if b.ndim == 3 else "tid,jd->tij", a, b)
+    return _contract("dot_rows", a, b, b.shape[-2], b.shape[-2])
+
+
+def contract_mix(p: Any, b: Any) -> Any:
+    """``c[t, i, d] = Σ_j p[t, i, j] · b[t, j, d]`` for ``p [T, I, J]`` and ``b [T, J, d]`` (or ``[J, d]``)."""
+    if p.shape[0] > GEMV_TOKENS:
+        return cp.einsum("tij,tjd->tid" if b.ndim == 3 else "tij,jd->tid", p, b)
+    return _contract("mix_rows", p, b, b.shape[-2], b.shape[-1])
 
 
 def sparse_attention(q: Any, kv: Any, idx: Any, sinks: Weight | None, scale: float) -> Any:
     """Multi-query attention of each query ``q [T, H, d]`` over its rows ``idx [T, K]`` of ``kv [N, d]``."""
     rows = kv[cp.maximum(idx, 0)]
-    logits = cp.einsum("thd,tkd->thk", q, rows) * F32(scale)
+    logits = contract_dot(q, rows) * F32(scale)
     logits = cp.where((idx >= 0)[:, None, :], logits, -cp.inf)
     peak = logits.max(axis=-1, keepdims=True)
     if sinks is not None:
@@ -326,13 +368,13 @@ def sparse_attention(q: Any, kv: Any, idx: Any, sinks: Weight | None, scale: flo
     denom = p.sum(axis=-1, keepdims=True)
     if sinks is not None:
         denom = denom + cp.exp(sink - peak)
-    return cp.einsum("thk,tkd->thd", p / denom, rows).astype(F32, copy=False)
+    return contract_mix(p / denom, rows).astype(F32, copy=False)
 
 
 def indexer_scores(q: Any, keys: Any, head_weights: Any, scale: float) -> Any:
     """``s[t, r] = Σ_h head_weights[t, h] · ReLU(q[t, h] · keys[r]) · scale`` -> ``[T, R]``."""
-    dots = cp.maximum(cp.einsum("thd,rd->thr", q, keys), 0)
-    return cp.einsum("th,thr->tr", head_weights, dots) * F32(scale)
+    dots = cp.maximum(contract_dot(q, keys), 0)
+    return (head_weights[:, :, None] * dots).sum(axis=1) * F32(scale)
 
 
 def moe_route(logits: Any, bias: Weight | None, k: int, routed_scale: float,
@@ -382,7 +424,7 @@ def moe_experts(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, i
         flat = cp.ascontiguousarray(idx.reshape(-1), dtype=cp.int32)
         h = _expert_gate_up(gate_exps, up_exps, flat, x, k, swiglu_limit)
         y = _expert_gemv(down_exps, flat, h, 1).reshape(T, k, D)
-        return cp.einsum("tkd,tk->td", y, cp.asarray(weights, dtype=F32))
+        return (y * cp.asarray(weights, dtype=F32)[:, :, None]).sum(axis=1)
     if tensor_core_prefill() and gate_exps.shape[2] % 8 == 0 and down_exps.shape[2] % 8 == 0:
         return prefill_moe(x, gate_exps, up_exps, down_exps, idx, weights, swiglu_limit)
     return _moe_grouped(x, gate_exps, up_exps, down_exps, idx, weights, swiglu_limit)

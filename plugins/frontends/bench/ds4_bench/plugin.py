@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from ds4_core.hookspecs import hookimpl
@@ -31,13 +33,32 @@ MODEL_MODULES: dict[str, str] = {"deepseek4-flash": "synthetic_deepseek4", "glm5
                                       "is always measured).")
 @click.option("--prefill-tokens", type=click.IntRange(min=1), multiple=True, default=(2048, 16384), show_default=True,
               help="Token counts of the prefill matmuls.")
+@click.option("-m", "--model", "model_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              default=None, help="Instead: time a GGUF end to end through Engine (prefill, then decode with and "
+                                 "without graph replay).")
+@click.option("--backend", default="cuda", show_default=True, help="Backend for --model.")
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Prompt length for --model.")
+@click.option("--decode-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Decoded tokens timed for --model.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON instead of a table.")
 def bench(synthetic: str, recipe: str, layers: int | None, repeats: int, contexts: tuple[int, ...],
-          prefill_tokens: tuple[int, ...], as_json: bool) -> None:
+          prefill_tokens: tuple[int, ...], model_path: Path | None, backend: str, prompt_tokens: int,
+          decode_tokens: int, as_json: bool) -> None:
     """Benchmark the CUDA backend on a synthetic DeepSeek V4 Flash, GLM 5.3 Flash or Qwen3.8 Flash Next against
-    the HBM and tensor-core roofs."""
+    the HBM and tensor-core roofs, or (``-m``) a model file end to end."""
     import importlib
     import json
+
+    if model_path is not None:
+        from .engine_decode import measure, print_measurement
+
+        result = measure(model_path, backend, prompt_tokens, decode_tokens)
+        if as_json:
+            click.echo(json.dumps(result, indent=1))
+        else:
+            print_measurement(result)
+        return
 
     from ds4_core.engine import probe_backends
     from ds4_core.errors import BackendError

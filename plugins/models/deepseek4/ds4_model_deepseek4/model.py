@@ -4,6 +4,10 @@ Ordered weights → compressor → attention → MoE → block → model. Attrib
 names (spec §12.3); shapes are numpy order (GGUF dims reversed). ``T`` is the chunk length, ``p0`` the
 position of its first token. A chunk of any length gives the same result as feeding its tokens one by one:
 every window-dependent quantity is computed from absolute positions and the state of spec §9.1.
+
+:meth:`DeepSeekV4Model.decode_step` is the one-token form whose position lives only in a device array: every
+shape is fixed by the context and every position-dependent choice is an array operation, so the backend can record
+it once as a graph and replay it per token (``ds4_core.decode_graph``).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ds4_core.backend import Ops, WeightLoader
+from ds4_core.decode_graph import DecodeGraphs
 from ds4_core.errors import ContextError
 
 from .config import DeepSeekV4Config
@@ -82,6 +87,31 @@ class Compressor:
         cs.rows[first:first + n_win] = rows
         return cs.rows[:first + n_win]
 
+    def step(self, ops: Ops, x: Any, pos: Any, cs: CompressorState, inv_freq: Any, finish: RowHook | None) -> Any:
+        """One token ``x [1, D]`` at the device position ``pos [1]``: buffer it in slot ``pos mod m`` and emit the
+        window's row when this token completes it. Returns all ``ctx // m`` row slots; rows of windows not yet
+        complete are stale, and callers mask them by position."""
+        xp, m, d = ops.xp, self.m, self.d
+        slot = pos % m
+        cs.buf_kv[slot] = ops.linear(x, self.kv)
+        cs.buf_gate[slot] = ops.linear(x, self.gate) + self.ape[slot]
+        kv, gate = cs.buf_kv, cs.buf_gate
+        if self.overlap:
+            kv = xp.concatenate([cs.prev_kv, kv[:, d:]])
+            gate = xp.concatenate([cs.prev_gate, gate[:, d:]])
+        complete = slot == m - 1
+        if cs.rows.shape[0]:  # pooled every step (no host branch); stored only when the window is complete
+            row = ops.rms_norm(ops.softmax_pool(kv[None], gate[None]), self.norm, self.eps)
+            window = xp.minimum(pos // m, cs.rows.shape[0] - 1)
+            row = ops.rope(row, window * m, inv_freq)
+            if finish is not None:
+                row = finish(row)
+            cs.rows[window] = xp.where(complete[:, None], row, cs.rows[window])
+        if self.overlap:
+            xp.copyto(cs.prev_kv, cs.buf_kv[:, :d], where=complete[:, None])
+            xp.copyto(cs.prev_gate, cs.buf_gate[:, :d], where=complete[:, None])
+        return cs.rows
+
 
 class Indexer:
     """Lightning indexer of a CSA layer: its own overlapping compressor (width ``ih``) and per-query head scores."""
@@ -135,16 +165,15 @@ class Attention:
         self.kv_finish: RowHook | None = (lambda r: ops.fp8_kv_round(r, cfg.rope_dim)) if qat else None
         self.index_finish: RowHook | None = ops.fp4_hadamard_round if qat else None
 
-    def __call__(self, ops: Ops, x: Any, pos: Any, ls: LayerState, p0: int) -> Any:
-        """``x [T, D]`` (normalised collapsed stream) at positions ``pos [T]`` -> ``[T, D]``; advances ``ls``."""
+    def __call__(self, ops: Ops, x: Any, pos: Any, ls: LayerState, p0: int | None) -> Any:
+        """``x [T, D]`` (normalised collapsed stream) at positions ``pos [T]`` -> ``[T, D]``; advances ``ls``.
+
+        ``p0 = None``: one token whose position is only on the device (:meth:`step`)."""
+        if p0 is None:
+            return self.step(ops, x, pos, ls)
         cfg, xp, T = self.cfg, ops.xp, x.shape[0]
-        H, hd, W, eps = cfg.num_heads, cfg.head_dim, cfg.sliding_window, cfg.rms_norm_eps
-        qr = ops.rms_norm(ops.linear(x, self.attn_q_a), self.attn_q_a_norm, eps)
-        q = ops.rms_norm(ops.linear(qr, self.attn_q_b).reshape(T, H, hd), None, eps)
-        q = ops.rope(q, pos, self.inv_freq)
-        kv = ops.rope(ops.rms_norm(ops.linear(x, self.attn_kv), self.attn_kv_a_norm, eps), pos, self.inv_freq)
-        if self.kv_finish is not None:
-            kv = self.kv_finish(kv)
+        W = cfg.sliding_window
+        qr, q, kv = self._project(ops, x, pos)
 
         # Raw window: the last W-1 earlier rows from the ring, then the chunk; query i sees rows (i+n_prev-W, i+n_prev].
         n_prev = min(p0, W - 1)
@@ -167,8 +196,50 @@ class Attention:
                 sel = xp.where(w < limit[:, None], w, -1)
             keys.append(rows)
             parts.append(xp.where(sel >= 0, sel + n_prev + T, -1))
+        return self._attend(ops, q, keys, parts, pos)
 
-        o = ops.sparse_attention(q, xp.concatenate(keys), xp.concatenate(parts, axis=1), self.attn_sinks, hd ** -0.5)
+    def step(self, ops: Ops, x: Any, pos: Any, ls: LayerState) -> Any:
+        """One token ``x [1, D]`` at the device position ``pos [1]`` -> ``[1, D]``; advances ``ls``.
+
+        Shapes depend only on the context: the query reads every ring slot that holds a position in its window
+        and (CSA/HCA) the selected compressed rows, with the complete-window mask computed from ``pos``."""
+        cfg, xp = self.cfg, ops.xp
+        W = cfg.sliding_window
+        qr, q, kv = self._project(ops, x, pos)
+        ls.raw[pos % W] = kv
+        slots = xp.arange(W, dtype=xp.int32)
+        held = pos - (pos - slots) % W  # the position ring slot s holds after this write (< 0: none yet)
+        keys, parts = [ls.raw], [xp.where(held >= 0, slots, -1)[None]]
+        if self.compressor is not None:
+            rows = self.compressor.step(ops, x, pos, ls.compressor, self.inv_freq, self.kv_finish)
+            limit = (pos + 1) // self.m
+            if self.indexer is not None:
+                index_rows = self.indexer.compressor.step(ops, x, pos, ls.indexer, self.inv_freq, self.index_finish)
+                sel = self.indexer.select(ops, x, qr, pos, index_rows, limit, self.inv_freq, self.index_finish)
+            else:
+                w = xp.arange(rows.shape[0])[None, :]
+                sel = xp.where(w < limit[:, None], w, -1)
+            keys.append(rows[xp.maximum(sel[0], 0)])
+            parts.append(xp.where(sel >= 0, W + xp.arange(sel.shape[1]), -1))
+        return self._attend(ops, q, keys, parts, pos)
+
+    def _project(self, ops: Ops, x: Any, pos: Any) -> tuple[Any, Any, Any]:
+        """(normalised query latent ``[T, q_lora]``, RoPE'd queries ``[T, H, hd]``, the K=V rows ``[T, hd]``)."""
+        cfg, T, eps = self.cfg, x.shape[0], self.cfg.rms_norm_eps
+        qr = ops.rms_norm(ops.linear(x, self.attn_q_a), self.attn_q_a_norm, eps)
+        q = ops.rms_norm(ops.linear(qr, self.attn_q_b).reshape(T, cfg.num_heads, cfg.head_dim), None, eps)
+        q = ops.rope(q, pos, self.inv_freq)
+        kv = ops.rope(ops.rms_norm(ops.linear(x, self.attn_kv), self.attn_kv_a_norm, eps), pos, self.inv_freq)
+        if self.kv_finish is not None:
+            kv = self.kv_finish(kv)
+        return qr, q, kv
+
+    def _attend(self, ops: Ops, q: Any, keys: list[Any], parts: list[Any], pos: Any) -> Any:
+        """Sparse attention of ``q [T, H, hd]`` over the concatenated ``keys`` at the ``parts`` indices, then the
+        inverse RoPE and the grouped output projection -> ``[T, D]``."""
+        cfg, xp, T = self.cfg, ops.xp, q.shape[0]
+        o = ops.sparse_attention(q, xp.concatenate(keys), xp.concatenate(parts, axis=1), self.attn_sinks,
+                                 cfg.head_dim ** -0.5)
         o = ops.rope(o, pos, self.inv_freq, inverse=True)
         low = ops.grouped_linear(o.reshape(T, cfg.o_groups, -1), self.attn_output_a)
         return ops.linear(low.reshape(T, -1), self.attn_output_b)
@@ -219,8 +290,8 @@ class Block:
         self.attn = Attention(w, ops, layer, cfg, qat)
         self.ffn = MoE(w, ops, layer, cfg)
 
-    def __call__(self, ops: Ops, S: Any, ids: Any, pos: Any, ls: LayerState, p0: int) -> Any:
-        """Streams ``S [T, n, D]`` -> ``[T, n, D]``."""
+    def __call__(self, ops: Ops, S: Any, ids: Any, pos: Any, ls: LayerState, p0: int | None) -> Any:
+        """Streams ``S [T, n, D]`` -> ``[T, n, D]`` (``p0 = None``: one token at the device position ``pos``)."""
         cfg = self.cfg
         hc = (cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
         c, post, comb = ops.hc_pre(S, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, *hc)
@@ -251,6 +322,8 @@ class DeepSeekV4Model:
         self.mtp = load_mtp(w, ops, cfg, qat_rounding)
         #: The final streams ``[T, n, D]`` (before the HyperHead) of the last :meth:`forward`, which the MTP reads.
         self.last_stream: Any = None
+        #: One-token forwards as recorded graphs, on backends that record them (else None: plain forwards).
+        self.decode_graphs = DecodeGraphs(ops.backend, self.decode_step) if ops.backend.graphs else None
 
     def new_state(self, ctx: int) -> DeepSeekV4State:
         """Empty state for a context of ``ctx`` tokens."""
@@ -261,21 +334,34 @@ class DeepSeekV4Model:
 
     def forward(self, ids: Any, state: DeepSeekV4State) -> Any:
         """Feed ids ``[T]`` (T ≥ 1) after the ``state.n_tokens`` tokens fed so far; return logits ``[T, V]``."""
-        ops, xp, cfg = self.ops, self.ops.xp, self.cfg
+        ops, xp = self.ops, self.ops.xp
         T, p0 = len(ids), state.n_tokens
         if T < 1:
             raise ContextError("forward needs at least one token")
         if p0 + T > state.ctx:
             raise ContextError(f"{p0 + T} tokens do not fit the context of {state.ctx}; start a new session "
                                "or load the model with a larger --ctx")
-        ids = ops.backend.asarray(ids, dtype=xp.int32)
-        pos = xp.arange(p0, p0 + T, dtype=xp.int32)
+        if T == 1 and self.decode_graphs is not None:
+            logits, self.last_stream = self.decode_graphs(int(ids[0]), p0, state)
+            logits = logits.copy()  # the recorded buffer is overwritten by the next step
+        else:
+            logits, self.last_stream = self._run(ops.backend.asarray(ids, dtype=xp.int32),
+                                                 xp.arange(p0, p0 + T, dtype=xp.int32), state, p0)
+        state.n_tokens = p0 + T
+        return logits
+
+    def decode_step(self, ids: Any, pos: Any, state: DeepSeekV4State) -> tuple[Any, Any]:
+        """One token ``ids [1]`` at the position in the device array ``pos [1]`` -> (logits ``[1, V]``, final
+        streams ``[1, n, D]``). Writes ``state``'s arrays but not ``state.n_tokens`` (the caller's job); takes no
+        host decision on the position, so it can be recorded once and replayed."""
+        return self._run(ids, pos, state, None)
+
+    def _run(self, ids: Any, pos: Any, state: DeepSeekV4State, p0: int | None) -> tuple[Any, Any]:
+        ops, xp, cfg = self.ops, self.ops.xp, self.cfg
         x = ops.embed(self.token_embd, ids)
         S = xp.repeat(x[:, None, :], cfg.hc_mult, axis=1)
         for block, ls in zip(self.blocks, state.layers, strict=True):
             S = block(ops, S, ids, pos, ls, p0)
-        self.last_stream = S
         h = ops.hc_head(S, self.output_hc_fn, self.output_hc_scale, self.output_hc_base, cfg.hc_eps, cfg.rms_norm_eps)
-        state.n_tokens = p0 + T
-        return ops.linear(ops.rms_norm(h, self.output_norm, cfg.rms_norm_eps), self.output)
+        return ops.linear(ops.rms_norm(h, self.output_norm, cfg.rms_norm_eps), self.output), S
 

@@ -1,0 +1,28 @@
+// Small batched contractions of decode-sized attention (a few query tokens) without cuBLAS, which CuPy refuses
+// inside a CUDA graph capture. One thread per output element; the reads of the shared rows hit L2.
+
+// c[t, i, j] = sum_d a[t, i, d] * b[t, j, d]; grid (ceil(J / blockDim.x), I, T); b_batch = 0 shares b.
+extern "C" __global__ void dot_rows(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c,
+                                    int I, int J, int D, long long b_batch) {
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= J) return;
+    const long long ti = (long long)blockIdx.z * I + blockIdx.y;
+    const float* ar = a + ti * D;
+    const float* br = b + blockIdx.z * b_batch + (long long)j * D;
+    float s = 0.f;
+    for (int d = 0; d < D; ++d) s = fmaf(ar[d], br[d], s);
+    c[ti * J + j] = s;
+}
+
+// c[t, i, d] = sum_j p[t, i, j] * b[t, j, d]; grid (ceil(D / blockDim.x), I, T); b_batch = 0 shares b.
+extern "C" __global__ void mix_rows(const float* __restrict__ p, const float* __restrict__ b, float* __restrict__ c,
+                                    int I, int J, int D, long long b_batch) {
+    const int d = blockIdx.x * blockDim.x + threadIdx.x;
+    if (d >= D) return;
+    const long long ti = (long long)blockIdx.z * I + blockIdx.y;
+    const float* pr = p + ti * J;
+    const float* bc = b + blockIdx.z * b_batch + d;
+    float s = 0.f;
+    for (int j = 0; j < J; ++j) s = fmaf(pr[j], bc[(long long)j * D], s);
+    c[ti * D + d] = s;
+}

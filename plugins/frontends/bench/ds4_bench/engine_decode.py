@@ -1,0 +1,65 @@
+"""End-to-end speed of a model file through ``Engine``: prefill, then greedy decode with and without graph replay.
+
+Unlike the synthetic benchmark this runs the whole model graph, glue included, exactly as ``ds4 run`` does: one
+``Session.feed`` per decoded token, logits back on the host, argmax there. Tokens are random ids of the model's
+vocabulary (speed does not depend on their values, except through routing).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def _decode(session: Any, first: int, tokens: int) -> float:
+    """Seconds for ``tokens`` greedy steps after feeding ``first`` (untimed: it may record the graph)."""
+    logits = session.feed([first])[-1]
+    start = time.perf_counter()
+    for _ in range(tokens):
+        logits = session.feed([int(np.argmax(logits))])[-1]
+    return time.perf_counter() - start
+
+
+def measure(path: Path, backend: str = "cuda", prompt_tokens: int = 512, decode_tokens: int = 64,
+            seed: int = 0) -> dict[str, Any]:
+    """Prefill t/s of ``prompt_tokens`` and decode t/s over ``decode_tokens`` steps, graphs on and off."""
+    from ds4_core.engine import Engine
+
+    engine = Engine.load(path, backend=backend, ctx=prompt_tokens + decode_tokens + 2)
+    try:
+        ids = np.random.default_rng(seed).integers(0, engine.tokenizer.vocab_size, prompt_tokens + 1)
+        session = engine.new_session()
+        session.feed(ids[:8])  # warm: kernels compiled and loaded
+        session = engine.new_session()
+        start = time.perf_counter()
+        session.feed(ids[:prompt_tokens])
+        prefill = time.perf_counter() - start
+        snap = session.snapshot()
+        graphs = getattr(engine.model, "decode_graphs", None)
+        result = {"model": path.name, "backend": engine.backend.name, "prompt_tokens": prompt_tokens,
+                  "decode_tokens": decode_tokens, "prefill_tokens_per_s": prompt_tokens / prefill}
+        if graphs is not None:
+            result["graph_decode_tokens_per_s"] = decode_tokens / _decode(session, int(ids[-1]), decode_tokens)
+            result["graph_replayed"] = graphs.replays(session.state)
+            session.restore(snap)
+            engine.model.decode_graphs = None
+        result["eager_decode_tokens_per_s"] = decode_tokens / _decode(session, int(ids[-1]), decode_tokens)
+        engine.model.decode_graphs = graphs
+        return result
+    finally:
+        engine.close()
+
+
+def print_measurement(r: dict[str, Any]) -> None:
+    print(f"{r['model']} on {r['backend']}: prefill {r['prompt_tokens']} tokens at {r['prefill_tokens_per_s']:.1f} t/s")
+    line = f"  decode {r['decode_tokens']} tokens after them: eager {r['eager_decode_tokens_per_s']:.1f} t/s"
+    if "graph_decode_tokens_per_s" in r:
+        line += (f", graph replay {r['graph_decode_tokens_per_s']:.1f} t/s "
+                 f"({r['graph_decode_tokens_per_s'] / r['eager_decode_tokens_per_s']:.2f}x; "
+                 f"replayed: {r['graph_replayed']})")
+    else:
+        line += " (this model's decode step is not recorded as a graph)"
+    print(line)

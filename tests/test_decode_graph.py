@@ -1,0 +1,34 @@
+"""``DecodeGraphs`` on the numpy backend (which records nothing): steps run eagerly, one entry per live state."""
+
+from __future__ import annotations
+
+import gc
+
+import attrs
+import numpy as np
+
+from ds4_core.backends.numpy import NumpyBackend
+from ds4_core.decode_graph import DecodeGraphs
+
+
+@attrs.define
+class _State:  # compares by value, like the model states, so it is not hashable
+    seen: list[tuple[int, int]] = attrs.Factory(list)
+
+
+def _step(ids, pos, state):
+    state.seen.append((int(ids[0]), int(pos[0])))
+    return ids * 10 + pos
+
+
+def test_steps_run_with_the_given_token_and_position_and_entries_die_with_their_state():
+    graphs = DecodeGraphs(NumpyBackend(), _step)
+    a, b = _State(), _State()
+    assert int(graphs(3, 0, a)[0]) == 30 and int(graphs(4, 1, a)[0]) == 41 and int(graphs(5, 0, b)[0]) == 50
+    assert a.seen == [(3, 0), (4, 1)] and b.seen == [(5, 0)]
+    assert not graphs.replays(a)  # numpy records no graph
+    assert len(graphs._recordings) == 2
+    del a
+    gc.collect()
+    assert len(graphs._recordings) == 1
+    np.testing.assert_array_equal(graphs(6, 2, b), [62])
