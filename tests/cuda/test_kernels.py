@@ -209,3 +209,18 @@ def test_upload_keeps_raw_blocks(cuda_backend, rng):
     w = cuda_backend.upload("experts", "IQ2_XXS", (4, 32, 256), raw)
     assert w.data.nbytes == raw.nbytes
     np.testing.assert_array_equal(cuda_backend.to_numpy(w.data).reshape(-1), raw)
+
+
+@pytest.mark.parametrize("T", [1, 3, 12])  # 12: above the few-token kernels, through cuBLAS
+@pytest.mark.parametrize("shared", [False, True])
+def test_small_contractions_match_numpy(cuda_backend, rng, T, shared):
+    from ds4_backend_cuda import ops
+
+    a = rng.standard_normal((T, 5, 40)).astype(np.float32)
+    b = rng.standard_normal((37, 40) if shared else (T, 37, 40)).astype(np.float32)
+    p = rng.standard_normal((T, 5, 37)).astype(np.float32)
+    sub, dev = "jd" if shared else "tjd", cuda_backend.asarray
+    np.testing.assert_allclose(cuda_backend.to_numpy(ops.contract_dot(dev(a), dev(b))),
+                               np.einsum(f"tid,{sub}->tij", a, b), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(cuda_backend.to_numpy(ops.contract_mix(dev(p), dev(b))),
+                               np.einsum(f"tij,{sub}->tid", p, b), rtol=1e-5, atol=1e-5)
