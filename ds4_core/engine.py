@@ -143,10 +143,11 @@ class Engine:
             if ctx < 1 or ctx > max_ctx:
                 raise ContextError(f"context {ctx} is outside what {spec.name} supports (1..{max_ctx}); "
                                    f"pass a smaller --ctx")
-            need, free = model.state_nbytes(ctx), be.free_memory()
-            if free is not None and need > free:
-                raise ContextError(f"a context of {ctx} tokens needs {need / 2**30:.2f} GiB of decoding state but "
-                                   f"only {free / 2**30:.2f} GiB is free on {bspec.name}; pass a smaller --ctx")
+            state, free = model.state_nbytes(ctx), be.free_memory()
+            if free is not None and 2 * state > free:  # Session.feed copies the state while it feeds a long prompt
+                raise ContextError(f"a context of {ctx} tokens needs {state / 2**30:.2f} GiB of decoding state, "
+                                   f"twice over while a long prompt is fed (the copy that undoes a failed feed), "
+                                   f"but only {free / 2**30:.2f} GiB is free on {bspec.name}; pass a smaller --ctx")
             log.info("model loaded", seconds=round(time.perf_counter() - t0, 3), ctx=ctx,
                      state_mib=round(model.state_nbytes(ctx) / 2**20, 2))
         except BaseException:

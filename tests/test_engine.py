@@ -113,6 +113,8 @@ def test_context_that_does_not_fit_in_memory_is_refused_with_the_numbers(engine,
     from ds4_core.backends.numpy import NumpyBackend
 
     need = engine.model.state_nbytes(engine.ctx)
-    monkeypatch.setattr(NumpyBackend, "free_memory", lambda self: need - 1)
-    with pytest.raises(ContextError, match="GiB of decoding state"):
+    monkeypatch.setattr(NumpyBackend, "free_memory", lambda self: 2 * need - 1)  # the state fits once, not twice
+    with pytest.raises(ContextError, match="GiB of decoding state, twice over while a long prompt is fed"):
         Engine.load(engine.path, backend="numpy", ctx=engine.ctx)
+    monkeypatch.setattr(NumpyBackend, "free_memory", lambda self: 2 * need)
+    Engine.load(engine.path, backend="numpy", ctx=engine.ctx).close()

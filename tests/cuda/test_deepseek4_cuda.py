@@ -168,3 +168,23 @@ def test_graphed_session_restores_and_decodes_the_same_tokens(cuda_backend, tiny
         assert again == first
     finally:
         engine.close()
+
+
+def test_engine_load_on_cuda_refuses_a_context_larger_than_device_memory(cuda_backend, tmp_path):
+    import re
+
+    from ds4_model_deepseek4.tiny import ensure_default_model
+    from gguf import GGUFReader
+
+    from ds4_core.engine import Engine
+    from ds4_core.errors import ContextError
+
+    path = tmp_path / "tiny-4G-context.gguf"
+    shutil.copyfile(ensure_default_model(tmp_path / "cache"), path)
+    field = GGUFReader(path, "r+").fields["deepseek4.context_length"]
+    field.parts[field.data[0]][0] = 2**32 - 1  # the reader maps the file: this writes it
+    del field
+    with pytest.raises(ContextError) as err:
+        Engine.load(path, backend="cuda", ctx=2**32 - 1)
+    state, free = (float(x) for x in re.findall(r"([\d.]+) GiB", str(err.value)))
+    assert free < 2 * state and free <= cuda_backend.free_memory() / 2**30 + 1 and "on cuda" in str(err.value)

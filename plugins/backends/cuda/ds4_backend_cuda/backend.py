@@ -80,6 +80,11 @@ class CudaBackend(Backend):
         return {"used": pool.used_bytes(), "reserved": pool.total_bytes(), "peak": self._peak,
                 "free": free, "total": total}
 
+    def free_memory(self) -> int:
+        """Bytes the device can still give: free device memory plus blocks CuPy's pool holds but does not use."""
+        free, _ = self.xp.cuda.runtime.memGetInfo()
+        return free + self.xp.get_default_memory_pool().free_bytes()
+
     def capture(self, step: Callable[[], Any]) -> tuple[Any, Callable[[], Any] | None]:
         """Run ``step`` on a private stream, then record it as a CUDA graph replayed on the caller's stream.
 
