@@ -188,3 +188,25 @@ def test_engine_load_on_cuda_refuses_a_context_larger_than_device_memory(cuda_ba
         Engine.load(path, backend="cuda", ctx=2**32 - 1)
     state, free = (float(x) for x in re.findall(r"([\d.]+) GiB", str(err.value)))
     assert free < 2 * state and free <= cuda_backend.free_memory() / 2**30 + 1 and "on cuda" in str(err.value)
+
+
+def test_weights_on_the_device_are_the_files_tensor_bytes_within_2_percent(cuda_backend):
+    import gc
+    from importlib import resources
+
+    import cupy
+
+    from ds4_core.engine import Engine
+
+    path = Path(str(resources.files("ds4_model_deepseek4").joinpath("data", "tiny-deepseek4.gguf")))
+    pool = cupy.get_default_memory_pool()
+    gc.collect()
+    before = pool.used_bytes()
+    engine = Engine.load(path, backend="cuda", ctx=64)
+    try:
+        gc.collect()
+        on_device = pool.used_bytes() - before
+        in_file = sum(t.nbytes for t in engine.gguf.tensors.values())
+    finally:
+        engine.close()
+    assert abs(on_device - in_file) <= 0.02 * in_file, (on_device, in_file)

@@ -23,13 +23,27 @@ def _decode(session: Any, first: int, tokens: int) -> float:
     return time.perf_counter() - start
 
 
+def _used_device_bytes(backend: str) -> int | None:
+    """Bytes in use in CuPy's pool (after a collection, so dead arrays do not count), or None off the GPU."""
+    if backend != "cuda":
+        return None
+    import gc
+
+    import cupy
+
+    gc.collect()
+    return cupy.get_default_memory_pool().used_bytes()
+
+
 def measure(path: Path, backend: str = "cuda", prompt_tokens: int = 512, decode_tokens: int = 64,
             seed: int = 0) -> dict[str, Any]:
     """Prefill t/s of ``prompt_tokens`` and decode t/s over ``decode_tokens`` steps, graphs on and off."""
     from ds4_core.engine import Engine
 
+    before = _used_device_bytes(backend)
     engine = Engine.load(path, backend=backend, ctx=prompt_tokens + decode_tokens + 2)
     try:
+        weights = _used_device_bytes(backend) - before if before is not None else None
         ids = np.random.default_rng(seed).integers(0, engine.tokenizer.vocab_size, prompt_tokens + 1)
         session = engine.new_session()
         session.feed(ids[:8])  # warm: kernels compiled and loaded
@@ -40,7 +54,9 @@ def measure(path: Path, backend: str = "cuda", prompt_tokens: int = 512, decode_
         snap = session.snapshot()
         graphs = getattr(engine.model, "decode_graphs", None)
         result = {"model": path.name, "backend": engine.backend.name, "prompt_tokens": prompt_tokens,
-                  "decode_tokens": decode_tokens, "prefill_tokens_per_s": prompt_tokens / prefill}
+                  "decode_tokens": decode_tokens, "prefill_tokens_per_s": prompt_tokens / prefill,
+                  "file_tensor_bytes": sum(t.nbytes for t in engine.gguf.tensors.values()),
+                  "device_weight_bytes": weights}
         if graphs is not None:
             result["graph_decode_tokens_per_s"] = decode_tokens / _decode(session, int(ids[-1]), decode_tokens)
             result["graph_replayed"] = graphs.replays(session.state)
@@ -55,6 +71,10 @@ def measure(path: Path, backend: str = "cuda", prompt_tokens: int = 512, decode_
 
 def print_measurement(r: dict[str, Any]) -> None:
     print(f"{r['model']} on {r['backend']}: prefill {r['prompt_tokens']} tokens at {r['prefill_tokens_per_s']:.1f} t/s")
+    if r["device_weight_bytes"] is not None:
+        ratio = r["device_weight_bytes"] / r["file_tensor_bytes"]
+        print(f"  weights on the device {r['device_weight_bytes'] / 1e9:.3f} GB for {r['file_tensor_bytes'] / 1e9:.3f} "
+              f"GB of tensors in the file ({ratio:.3f}x)")
     line = f"  decode {r['decode_tokens']} tokens after them: eager {r['eager_decode_tokens_per_s']:.1f} t/s"
     if "graph_decode_tokens_per_s" in r:
         line += (f", graph replay {r['graph_decode_tokens_per_s']:.1f} t/s "
