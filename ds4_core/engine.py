@@ -23,7 +23,7 @@ from .descriptors import BackendSpec, ModelSpec, resolve
 from .errors import BackendError, ContextError, Ds4Error, ModelConfigError
 from .gguf import GGUFFile
 from .log import get_logger
-from .model import Model, copy_state
+from .model import Model, copy_state, restore_state_into
 from .plugins import PluginManager, Registry, get_plugin_manager
 from .sampling import Sampler, SamplingParams
 from .stops import StopScanner
@@ -271,7 +271,8 @@ class Session:
             del self.tokens[n_tokens:]
             self.last_logits = last_logits
             if saved is not None:
-                self.state = saved
+                if not restore_state_into(self.state, saved):
+                    self.state = saved
             elif not isinstance(exc, Ds4Error):
                 self._broken = f"a feed was stopped inside the model ({type(exc).__name__})"
             raise
@@ -286,7 +287,8 @@ class Session:
     def restore(self, snap: Snapshot) -> None:
         """Return to ``snap`` exactly (the snapshot stays reusable)."""
         self.tokens = list(snap.tokens)
-        self.state = copy_state(snap.state)
+        if not restore_state_into(self.state, snap.state):  # in place where it can: decode graphs stay valid
+            self.state = copy_state(snap.state)
         self.last_logits = None if snap.last_logits is None else snap.last_logits.copy()
         self._broken = None
 

@@ -37,6 +37,31 @@ def test_snapshot_restore_reproduces_logits_exactly(engine):
     np.testing.assert_array_equal(s.feed([9, 10]), first)
 
 
+
+def test_restore_copies_into_the_sessions_own_arrays(engine):
+    # A decode graph recorded on the session's state arrays stays valid only if restore keeps those arrays.
+    s = engine.new_session()
+    s.feed([3, 4, 5, 6])
+    state, ring = s.state, s.state.layers[0].raw
+    snap = s.snapshot()
+    first = s.feed([9, 10])
+    s.restore(snap)
+    assert s.state is state and s.state.layers[0].raw is ring and s.state.n_tokens == 4
+    assert snap.state.layers[0].raw is not ring  # the snapshot keeps its own copy
+    np.testing.assert_array_equal(s.feed([9, 10]), first)
+
+
+def test_restore_state_into_refuses_a_different_layout_and_leaves_it_untouched(engine):
+    from ds4_core.model import copy_state, restore_state_into
+
+    small, large = engine.model.new_state(64), engine.model.new_state(128)
+    engine.model.forward(np.array([1, 2, 3]), large)
+    before = copy_state(small)
+    assert not restore_state_into(small, large)
+    assert small.n_tokens == 0 and all(np.array_equal(a.raw, b.raw) for a, b in
+                                   zip(small.layers, before.layers, strict=True))
+
+
 def test_out_of_range_token_and_overflow_leave_the_session_unchanged(engine):
     s = engine.new_session()
     s.feed([1, 2])

@@ -163,7 +163,9 @@ def test_graphed_session_restores_and_decodes_the_same_tokens(cuda_backend, tiny
         greedy = SamplingParams(temperature=0.0)
         first = [g.id for g in session.generate(max_tokens=24, sampling=greedy, stop_ids=())]  # tokens with text
         assert len(first) >= 12 and engine.model.decode_graphs.replays(session.state)
-        session.restore(snap)  # a new state object: recorded again on its first step
+        state = session.state
+        session.restore(snap)  # copied into the same arrays: the recorded graph replays on
+        assert session.state is state and engine.model.decode_graphs.replays(state)
         again = [g.id for g in session.generate(max_tokens=24, sampling=greedy, stop_ids=())]
         assert again == first
     finally:
