@@ -9,7 +9,6 @@ for the render.
 
 from __future__ import annotations
 
-import copy
 import json
 import shutil
 from pathlib import Path
@@ -18,12 +17,12 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 from ds4_model_qwen38.chat import Qwen38Chat
-from gguf import GGUFReader
 
 from ds4_core.cli import cli
+from ds4_core.testing.chat_templates import convert_cli, gguf_template_bytes, openai_form, render
 
 pytest.importorskip("jinja2")
-chat_template_utils = pytest.importorskip("transformers.utils.chat_template_utils")
+pytest.importorskip("transformers.utils.chat_template_utils")
 
 DATA = Path(__file__).parents[1] / "data"
 TEMPLATE = DATA / "qwen38_chat_template.jinja"
@@ -34,14 +33,14 @@ CONVERSATIONS: dict[str, list[dict[str, Any]]] = CASES["conversations"]
 TEMPLATE_THINKING = {"none": {"enable_thinking": False}, "high": {"reasoning_effort": "medium"}, "max": {}}
 
 
-def convert_cli(src: Path, out: Path) -> None:
-    result = CliRunner().invoke(cli, ["convert", str(src), str(out), "--outtype", "f16"])
-    assert result.exit_code == 0, result.output
+def render_template(template: str, messages: list[dict[str, Any]], *, tools: list | None, thinking: str,
+                    add_generation_prompt: bool = True, **variables: Any) -> str:
+    return render(template, messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                  **TEMPLATE_THINKING[thinking], **variables)
 
 
-def gguf_template_bytes(path: Path) -> bytes | None:
-    field = GGUFReader(path).fields.get("tokenizer.chat_template")
-    return None if field is None else field.parts[field.data[0]].tobytes()
+
+
 
 
 @pytest.fixture(scope="module")
@@ -64,22 +63,8 @@ def template(gguf_with_template: Path) -> str:
     return gguf_template_bytes(gguf_with_template).decode("utf-8")
 
 
-def render_template(template: str, messages: list[dict[str, Any]], *, tools: list | None, thinking: str,
-                    add_generation_prompt: bool = True, **variables: Any) -> str:
-    rendered, _ = chat_template_utils.render_jinja_template(
-        [messages], tools=tools, chat_template=template, add_generation_prompt=add_generation_prompt,
-        **TEMPLATE_THINKING[thinking], **variables)
-    return rendered[0]
 
 
-def openai_form(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``messages`` as an OpenAI client sends them: tool-call arguments as JSON text, calls with ids."""
-    out = copy.deepcopy(messages)
-    for message in out:
-        for index, call in enumerate(message.get("tool_calls") or ()):
-            call["id"] = f"call_{index}"
-            call["function"]["arguments"] = json.dumps(call["function"]["arguments"])
-    return out
 
 
 def test_chat_template_jinja_reaches_the_gguf_byte_for_byte(gguf_with_template):
