@@ -168,7 +168,7 @@ def _pattern(t: PlannedTensor, cfg: DeepSeekV4Config, rng: np.random.Generator) 
         rows = min(t.shape[0], _HASH_PATTERN_ROWS)
         ids = rng.random((rows, cfg.n_experts)).argsort(axis=1)[:, : t.shape[1]]
         return ids.astype("<i4").tobytes()
-    block_elems, block_bytes = block_geometry(t.qtype)
+    block_bytes = block_geometry(t.qtype)[1]
     blocks = min(t.nbytes, _PATTERN_BYTES) // block_bytes
     if t.qtype in (_T.F16, _T.F32):
         values = _float_values(t.name, blocks, rng, t.shape[-1])

@@ -41,15 +41,21 @@ MODEL_MODULES: dict[str, str] = {"deepseek4-flash": "synthetic_deepseek4", "glm5
               help="Prompt length for --model.")
 @click.option("--decode-tokens", type=click.IntRange(min=1), default=64, show_default=True,
               help="Decoded tokens timed for --model.")
+@click.option("--write-gguf", "gguf_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Instead: write the synthetic DeepSeek V4 Flash (--recipe, --layers) as a ds4-schema GGUF with "
+                   "random weights, to time with -m (no GPU needed to write).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON instead of a table.")
 def bench(synthetic: str, recipe: str, layers: int | None, repeats: int, contexts: tuple[int, ...],
           prefill_tokens: tuple[int, ...], model_path: Path | None, backend: str, prompt_tokens: int,
-          decode_tokens: int, as_json: bool) -> None:
+          decode_tokens: int, gguf_path: Path | None, as_json: bool) -> None:
     """Benchmark the CUDA backend on a synthetic DeepSeek V4 Flash, GLM 5.3 Flash or Qwen3.8 Flash Next against
     the HBM and tensor-core roofs, or (``-m``) a model file end to end."""
     import importlib
     import json
 
+    if gguf_path is not None:
+        _write_gguf(gguf_path, synthetic, recipe, layers)
+        return
     if model_path is not None:
         from .engine_decode import measure, print_measurement
 
@@ -79,6 +85,21 @@ def bench(synthetic: str, recipe: str, layers: int | None, repeats: int, context
         click.echo(json.dumps(results, indent=1))
     else:
         print_report(results)
+
+
+def _write_gguf(path: Path, synthetic: str, recipe: str, layers: int | None) -> None:
+    """``--write-gguf``: write the file, then say how big it is and how to time it."""
+    if synthetic != "deepseek4-flash":
+        raise click.BadParameter(f"only deepseek4-flash can be written as a GGUF, not {synthetic}",
+                                 param_hint="'--synthetic'")
+    if layers is None:
+        raise click.BadParameter("say how many decoder layers to write (4 layers of Q2 are ~9.5 GB)",
+                                 param_hint="'--layers'")
+    from .flash_gguf import write_flash_gguf
+
+    write_flash_gguf(path, layers, recipe)
+    click.echo(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB, {layers} layers, recipe {recipe}); time it with:")
+    click.echo(f"  ds4 bench -m {path} --prompt-tokens 2048 --decode-tokens 32")
 
 
 @hookimpl
