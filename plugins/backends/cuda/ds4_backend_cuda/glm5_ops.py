@@ -27,16 +27,16 @@ def moe_route_sigmoid(logits: Any, bias: Weight | None, k: int, routed_scale: fl
 
     Groups score the sum of their two best biased scores; the ``topk_group`` best groups stay; the top-k experts
     among them win (ties to the lowest id). Weights: the unbiased scores, renormalised if ``normalize``, times
-    ``routed_scale``.
+    ``routed_scale``. Device top-k and masks only (no sort, no scatter), so a decode step stays graph-capturable.
     """
     scores = (1 / (1 + cp.exp(-cp.asarray(logits, dtype=F32)))).astype(F32)
     choice = scores + values(bias) if bias is not None else scores
     if n_group > 1:
         T, E = choice.shape
-        grouped = choice.reshape(T, n_group, E // n_group)
-        best_two = cp.sort(grouped, axis=-1)[:, :, -2:].sum(axis=-1)  # [T, n_group]
-        kept = cp.zeros((T, n_group), dtype=bool)
-        cp.put_along_axis(kept, topk(best_two, topk_group), True, axis=-1)
+        grouped = choice.reshape(T * n_group, E // n_group)
+        best_two = cp.take_along_axis(grouped, topk(grouped, 2), axis=-1).sum(axis=-1).reshape(T, n_group)
+        groups = cp.arange(n_group, dtype=cp.int32)
+        kept = (topk(best_two, topk_group)[:, :, None] == groups).any(axis=1)  # [T, n_group]
         choice = cp.where(cp.repeat(kept, E // n_group, axis=1), choice, -cp.inf)
     idx = topk(choice, k)
     w = cp.take_along_axis(scores, idx, axis=-1)

@@ -331,7 +331,8 @@ def _contract(kernel: str, a: Any, b: Any, J: int, n: int) -> Any:
     if c.size:
         batch = np.int64(0 if b.ndim == 2 else b.shape[1] * b.shape[2])
         D = b.shape[-1] if kernel == "dot_rows" else n
-        select_module().get_function(kernel)((-(-n // 128), rows, T), (128,),
+        per_block = 4 if kernel == "dot_rows" else 128  # dot_rows: a warp per output; mix_rows: a thread
+        select_module().get_function(kernel)((-(-n // per_block), rows, T), (128,),
                                              (a, b, c, _i32(rows), _i32(J), _i32(D), batch))
     return c
 

@@ -8,7 +8,7 @@ import cupy as cp
 
 from ds4_core.backend import Weight
 
-from .ops import linear, topk, values
+from .ops import contract_dot, contract_mix, linear, topk, values
 
 F32 = cp.float32
 
@@ -51,15 +51,19 @@ def hc_mix(H: Any, norm: Weight, down: Weight, up: Weight, inject: Weight | None
 
 def gqa_attention(q: Any, k: Any, v: Any, mask: Any, scale: float) -> Any:
     """Grouped-query attention under ``mask [T, N]`` (bool, True = visible): ``q [T, H, d]``, ``k [N, G, d]``,
-    ``v [N, G, dv]`` (head ``h`` reads group ``h // (H/G)``) -> ``[T, H, dv]``."""
-    T, H, _ = q.shape
+    ``v [N, G, dv]`` (head ``h`` reads group ``h // (H/G)``) -> ``[T, H, dv]``.
+
+    One key group at a time through :func:`.ops.contract_dot` / :func:`.ops.contract_mix`: for a few tokens they
+    avoid cuBLAS, so a decode step over the whole cache can be recorded as a CUDA graph."""
     G = k.shape[1]
-    qg = cp.asarray(q, dtype=F32).reshape(T, G, H // G, -1)
-    logits = cp.einsum("tgrd,ngd->tgrn", qg, k) * F32(scale)
-    logits = cp.where(mask[:, None, None, :], logits, -cp.inf)
+    r = q.shape[1] // G
+    q = cp.asarray(q, dtype=F32)
+    logits = cp.concatenate([contract_dot(q[:, g * r:(g + 1) * r], k[:, g]) for g in range(G)], axis=1)
+    logits = cp.where(mask[:, None, :], logits * F32(scale), -cp.inf)
     p = cp.exp(logits - logits.max(axis=-1, keepdims=True))
     p /= p.sum(axis=-1, keepdims=True)
-    return cp.einsum("tgrn,ngd->tgrd", p, v).reshape(T, H, -1).astype(F32, copy=False)
+    return cp.concatenate([contract_mix(p[:, g * r:(g + 1) * r], v[:, g]) for g in range(G)],
+                          axis=1).astype(F32, copy=False)
 
 
 def moe_route_softmax(logits: Any, k: int, normalize: bool) -> tuple[Any, Any]:

@@ -1,20 +1,24 @@
 // Small batched contractions of decode-sized attention (a few query tokens) without cuBLAS, which CuPy refuses
-// inside a CUDA graph capture. One thread per output element; the reads of the shared rows hit L2.
+// inside a CUDA graph capture. The reads of rows shared by all queries hit L2.
 
-// c[t, i, j] = sum_d a[t, i, d] * b[t, j, d]; grid (ceil(J / blockDim.x), I, T); b_batch = 0 shares b.
+// c[t, i, j] = sum_d a[t, i, d] * b[t, j, d]; one warp per output, lanes striding d so the row reads coalesce;
+// grid (ceil(J / warps per block), I, T); b_batch = 0 shares b.
 extern "C" __global__ void dot_rows(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c,
                                     int I, int J, int D, long long b_batch) {
-    const int j = blockIdx.x * blockDim.x + threadIdx.x;
-    if (j >= J) return;
+    const int lane = threadIdx.x & 31;
+    const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (j >= J) return;  // whole warps leave together: j is the same for every lane of a warp
     const long long ti = (long long)blockIdx.z * I + blockIdx.y;
     const float* ar = a + ti * D;
     const float* br = b + blockIdx.z * b_batch + (long long)j * D;
     float s = 0.f;
-    for (int d = 0; d < D; ++d) s = fmaf(ar[d], br[d], s);
-    c[ti * J + j] = s;
+    for (int d = lane; d < D; d += 32) s = fmaf(ar[d], br[d], s);
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (lane == 0) c[ti * J + j] = s;
 }
 
-// c[t, i, d] = sum_j p[t, i, j] * b[t, j, d]; grid (ceil(D / blockDim.x), I, T); b_batch = 0 shares b.
+// c[t, i, d] = sum_j p[t, i, j] * b[t, j, d]; one thread per output, consecutive d in a warp;
+// grid (ceil(D / blockDim.x), I, T); b_batch = 0 shares b.
 extern "C" __global__ void mix_rows(const float* __restrict__ p, const float* __restrict__ b, float* __restrict__ c,
                                     int I, int J, int D, long long b_batch) {
     const int d = blockIdx.x * blockDim.x + threadIdx.x;
