@@ -4,6 +4,10 @@ Ordered weights → KDA → pooled indexer → MLA attention → MLP/MoE → blo
 the GGUF tensor names (spec §10.3); shapes are numpy order (GGUF dims reversed). ``T`` is the chunk length,
 ``p0`` the position of its first token. A chunk of any length gives the same logits as its tokens fed one by
 one: KDA carries its recurrence, and the indexer's pools are anchored at absolute positions.
+
+:meth:`Glm5NextModel.decode_step` is the one-token form whose position lives only in a device array: every shape
+is fixed by the context (attention reads the whole latent cache, the indexer scores every pool slot, both masked
+by position), so the backend can record it once as a graph and replay it per token (``ds4_core.decode_graph``).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ds4_core.backend import Ops, WeightLoader
+from ds4_core.decode_graph import DecodeGraphs
 from ds4_core.errors import ContextError, ModelConfigError
 
 from .next_config import Glm5NextConfig
@@ -64,11 +69,13 @@ class Kda:
         self.kda_output = w.get(f"{blk}.kda_output.weight", (D, h * d), MATMUL)
 
     def __call__(self, ops: Ops, x: Any, ls: KdaState) -> Any:
-        """``x [T, D]`` (normalised collapsed stream) -> ``[T, D]``; advances ``ls``."""
+        """``x [T, D]`` (normalised collapsed stream) -> ``[T, D]``; advances ``ls`` in place (a recorded decode
+        step keeps the addresses of its arrays)."""
         cfg, xp, T = self.cfg, ops.xp, x.shape[0]
         h, d = cfg.kda_heads, cfg.kda_head_dim
         u = xp.concatenate([ops.linear(x, self.kda_q), ops.linear(x, self.kda_k), ops.linear(x, self.kda_v)], axis=1)
-        u, ls.conv = ops.short_conv(u, ls.conv, self.conv)
+        u, conv = ops.short_conv(u, ls.conv, self.conv)
+        ls.conv[...] = conv
         q, k, v = (u * _sigmoid(xp, u)).reshape(T, 3, h, d).transpose(1, 0, 2, 3)  # SiLU after the conv
         q = _l2norm(xp, q) * np.float32(d ** -0.5)
         k = _l2norm(xp, k)
@@ -76,7 +83,8 @@ class Kda:
         g = (cfg.kda_lower_bound * _sigmoid(xp, self.decay_rate * raw)).astype(xp.float32)  # per key channel
         beta = _sigmoid(xp, ops.linear(x, self.kda_beta)).astype(xp.float32)
         recurrence = ops.gated_delta_rule if T == 1 else ops.gated_delta_rule_chunked
-        o, ls.recurrent = recurrence(q, k, v, g, beta, ls.recurrent)
+        o, recurrent = recurrence(q, k, v, g, beta, ls.recurrent)
+        ls.recurrent[...] = recurrent
         gate = ops.linear(ops.linear(x, self.kda_g_a), self.kda_g_b).reshape(T, h, d)
         o = ops.rms_norm(o, self.kda_o_norm, cfg.rms_norm_eps) * _sigmoid(xp, gate)
         return ops.linear(o.reshape(T, h * d).astype(xp.float32), self.kda_output)
@@ -102,8 +110,7 @@ class PooledIndexer:
         ``x [T, D]`` attention input, ``q_lat [T, q_lora]`` its normalised query latent, ``pos [T]`` positions.
         """
         xp, P, T = ops.xp, self.P, x.shape[0]
-        keys = ops.layer_norm(ops.linear(x, self.attn_k), self.k_norm, self.k_norm_bias, INDEXER_KEY_NORM_EPS)
-        gates = ops.linear(x, self.pool_gate) + self.pool_ape[pos % P]
+        keys, gates = self._keys(ops, x, pos)
         b = p0 % P  # tokens of the open pool already buffered
         keys = xp.concatenate([ps.open_keys[:b], keys])
         gates = xp.concatenate([ps.open_gates[:b], gates])
@@ -115,14 +122,36 @@ class PooledIndexer:
         rest = b + T - done
         ps.open_keys[:rest] = keys[done:]
         ps.open_gates[:rest] = gates[done:]
+        return self._rows(ops, x, q_lat, pos, ps.pooled[:first + n_new])
 
+    def step(self, ops: Ops, x: Any, q_lat: Any, pos: Any, ps: PoolState) -> Any:
+        """:meth:`select` for one token at the device position ``pos [1]``: buffer it in open slot ``pos mod P``,
+        store the pool when it completes one, and score every pool slot (slots not yet complete are masked)."""
+        xp, P, slots = ops.xp, self.P, ps.pooled.shape[0]
+        slot = pos % P
+        ps.open_keys[slot], ps.open_gates[slot] = self._keys(ops, x, pos)
+        if slots:  # pooled every step (no host branch); stored only when this token completes the pool
+            pooled = ops.softmax_pool(ps.open_keys[None], ps.open_gates[None])
+            j = xp.minimum(pos // P, slots - 1)  # a completed pool always lies inside the context
+            ps.pooled[j] = xp.where((slot == P - 1)[:, None], pooled, ps.pooled[j])
+        return self._rows(ops, x, q_lat, pos, ps.pooled)
+
+    def _keys(self, ops: Ops, x: Any, pos: Any) -> tuple[Any, Any]:
+        """(LayerNorm'd keys, gate logits with the pool APE) of ``x [T, D]`` at ``pos [T]``, each ``[T, dI]``."""
+        keys = ops.layer_norm(ops.linear(x, self.attn_k), self.k_norm, self.k_norm_bias, INDEXER_KEY_NORM_EPS)
+        return keys, ops.linear(x, self.pool_gate) + self.pool_ape[pos % self.P]
+
+    def _rows(self, ops: Ops, x: Any, q_lat: Any, pos: Any, pooled: Any) -> Any:
+        """The rows of :meth:`select` given the pool keys ``pooled [N, dI]``; pool j is complete for query t when
+        ``j < (pos[t] + 1) // P`` (later slots may be stale or empty)."""
+        xp, P, T = ops.xp, self.P, x.shape[0]
         visible = (pos + 1) // P  # complete pools query t may read: j < visible[t]
-        total = first + n_new
+        total = pooled.shape[0]
         j = xp.arange(total, dtype=xp.int32)[None, :]
         if total > self.n_pools:
             q = ops.linear(q_lat, self.attn_q_b).reshape(T, self.nI, self.dI)
             head_w = ops.linear(x, self.proj) * np.float32(self.nI ** -0.5)
-            scores = ops.indexer_scores(q, ps.pooled[:total], head_w, self.dI ** -0.5)
+            scores = ops.indexer_scores(q, pooled, head_w, self.dI ** -0.5)
             scores = xp.where(j < visible[:, None], scores, -xp.inf)
             chosen = ops.topk(scores, self.n_pools)
         else:  # every complete pool fits the budget
@@ -153,23 +182,33 @@ class Attention:
         self.attn_output = w.get(f"{blk}.attn_output.weight", (D, H * dv), MATMUL)
         self.indexer = PooledIndexer(w, ops, blk, cfg) if w.has(f"{blk}.indexer.attn_k.weight") else None
 
-    def __call__(self, ops: Ops, x: Any, pos: Any, ls: DsaState, p0: int, shared_rows: Any) -> tuple[Any, Any]:
+    def __call__(self, ops: Ops, x: Any, pos: Any, ls: DsaState, p0: int | None, shared_rows: Any) -> tuple[Any, Any]:
         """``x [T, D]`` at positions ``pos`` -> (``[T, D]``, the rows read); ``shared_rows`` is the selection of
-        the latest block with an indexer, used when this block has none. Advances ``ls``."""
+        the latest block with an indexer, used when this block has none. Advances ``ls``.
+
+        ``p0 = None``: one token whose position is only on the device (``pos [1]``), written at row ``pos``."""
         cfg, T = self.cfg, x.shape[0]
         eps = cfg.rms_norm_eps
         q_lat = ops.rms_norm(ops.linear(x, self.attn_q_a), self.attn_q_a_norm, eps)
         q = ops.linear(q_lat, self.attn_q_b).reshape(T, cfg.num_heads, cfg.key_length)
-        ls.latent[p0:p0 + T] = ops.rms_norm(ops.linear(x, self.attn_kv_a_mqa), self.attn_kv_a_norm, eps)
+        latent = ops.rms_norm(ops.linear(x, self.attn_kv_a_mqa), self.attn_kv_a_norm, eps)
+        if p0 is None:
+            ls.latent[pos] = latent
+        else:
+            ls.latent[p0:p0 + T] = latent
         if self.indexer is not None:
-            rows = self.indexer.select(ops, x, q_lat, pos, ls.pool, p0)
+            if p0 is None:
+                rows = self.indexer.step(ops, x, q_lat, pos, ls.pool)
+            else:
+                rows = self.indexer.select(ops, x, q_lat, pos, ls.pool, p0)
         elif shared_rows is None:
             raise ModelConfigError("a DSA block without indexer tensors must follow a block with an indexer; the "
                                    "GGUF is inconsistent — re-convert the model")
         else:
             rows = shared_rows
         q_abs = ops.grouped_linear(q, self.attn_k_b)  # [T, H, R]: queries against the latent
-        o = ops.sparse_attention(q_abs, ls.latent[:p0 + T], rows, None, cfg.key_length ** -0.5)
+        # the whole cache: rows list only positions already written, and a fixed shape keeps a step recordable
+        o = ops.sparse_attention(q_abs, ls.latent, rows, None, cfg.key_length ** -0.5)
         o = ops.grouped_linear(o, self.attn_v_b)  # [T, H, dv]
         return ops.linear(o.reshape(T, -1), self.attn_output), rows
 
@@ -223,8 +262,9 @@ class Block:
         self.mixer = Attention(w, ops, blk, cfg) if cfg.is_dsa(block) else Kda(w, ops, blk, cfg)
         self.ffn = FeedForward(w, ops, blk, cfg, cfg.is_dense(block))
 
-    def __call__(self, ops: Ops, S: Any, pos: Any, ls: Any, p0: int, rows: Any) -> tuple[Any, Any]:
-        """Streams ``S [T, n, D]`` -> (``[T, n, D]``, the latest indexer selection)."""
+    def __call__(self, ops: Ops, S: Any, pos: Any, ls: Any, p0: int | None, rows: Any) -> tuple[Any, Any]:
+        """Streams ``S [T, n, D]`` -> (``[T, n, D]``, the latest indexer selection); ``p0 = None``: one token at
+        the device position ``pos``."""
         cfg = self.cfg
         hc = (cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
         x, post, comb = ops.hc_pre(S, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, *hc)
@@ -273,6 +313,8 @@ class Glm5NextModel:
         if first_dsa is not None and not self.indexed[first_dsa]:
             raise ModelConfigError(f"the first DSA block ({first_dsa}) has no indexer tensors, so it has no selection "
                                    "to share; the GGUF is incomplete — re-convert the model")
+        #: One-token forwards as recorded graphs, on backends that record them (else None: plain forwards).
+        self.decode_graphs = DecodeGraphs(ops.backend, self.decode_step) if ops.backend.graphs else None
 
     def new_state(self, ctx: int) -> Glm5NextState:
         """Empty state for a context of ``ctx`` tokens."""
@@ -283,23 +325,45 @@ class Glm5NextModel:
 
     def forward(self, ids: Any, state: Glm5NextState) -> Any:
         """Feed ids ``[T]`` (T ≥ 1) after the ``state.n_tokens`` tokens fed so far; return logits ``[T, V]``."""
-        return self.ops.linear(self.hidden(ids, state), self.output)
+        return self._feed(ids, state, logits=True)
 
     def hidden(self, ids: Any, state: Glm5NextState) -> Any:
         """Like :meth:`forward`, but return the trunk's final state ``[T, D]`` (the final norm of the streams' mean,
         which the LM head and the MTP block read)."""
-        ops, xp, cfg = self.ops, self.ops.xp, self.cfg
+        return self._feed(ids, state, logits=False)
+
+    def decode_step(self, ids: Any, pos: Any, state: Glm5NextState) -> tuple[Any, Any]:
+        """One token ``ids [1]`` at the position in the device array ``pos [1]`` -> (logits ``[1, V]``, trunk final
+        state ``[1, D]``). Writes ``state``'s arrays in place but not ``state.n_tokens`` (the caller's job); takes
+        no host decision on the position, so it can be recorded once and replayed."""
+        h = self._run(ids, pos, state, None)
+        return self.ops.linear(h, self.output), h
+
+    def _feed(self, ids: Any, state: Glm5NextState, logits: bool) -> Any:
+        ops, xp = self.ops, self.ops.xp
         T, p0 = len(ids), state.n_tokens
         if T < 1:
             raise ContextError("forward needs at least one token")
         if p0 + T > state.ctx:
             raise ContextError(f"{p0 + T} tokens do not fit the context of {state.ctx}; start a new session "
                                "or load the model with a larger --ctx")
-        ids = ops.backend.asarray(ids, dtype=xp.int32)
-        pos = xp.arange(p0, p0 + T, dtype=xp.int32)
+        if T == 1 and self.decode_graphs is not None:
+            out = self.decode_graphs(int(ids[0]), p0, state)[0 if logits else 1]
+            out = out.copy()  # the recorded buffer is overwritten by the next step
+        else:
+            out = self._run(ops.backend.asarray(ids, dtype=xp.int32), xp.arange(p0, p0 + T, dtype=xp.int32), state,
+                            p0)
+            if logits:
+                out = ops.linear(out, self.output)
+        state.n_tokens = p0 + T
+        return out
+
+    def _run(self, ids: Any, pos: Any, state: Glm5NextState, p0: int | None) -> Any:
+        """The trunk's final state ``[T, D]`` of ``ids [T]`` at ``pos [T]`` (``p0 = None``: one token whose position
+        is only on the device); advances ``state``'s arrays."""
+        ops, xp, cfg = self.ops, self.ops.xp, self.cfg
         S = xp.repeat(ops.embed(self.token_embd, ids)[:, None, :], cfg.hc_mult, axis=1)
         rows = None
         for block, ls in zip(self.blocks, state.layers, strict=True):
             S, rows = block(ops, S, pos, ls, p0, rows)
-        state.n_tokens = p0 + T
         return ops.rms_norm(S.mean(axis=1), self.output_norm, cfg.rms_norm_eps)  # S is float32 already
