@@ -1,7 +1,7 @@
 """N-gram rows read on a background thread, overlapping the layers before each PLE layer (shipped tiny model).
 
-The tiny model has PLE blocks on layers 0 and 2 (attention on layer 1), so the rows of layer 2 are read while
-layers 0 and 1 compute. The oracle is the same model loaded with ``ngram_prefetch=False`` (reads inline).
+The tiny model has PLE blocks on layers 0, 2 and 4 (attention on layers 1, 3 and 5), so the rows of layer 2 are read
+while layers 0 and 1 compute. The oracle is the same model loaded with ``ngram_prefetch=False`` (reads inline).
 """
 
 from __future__ import annotations
@@ -90,9 +90,10 @@ def test_reads_run_on_the_reader_thread_while_earlier_layers_compute(engine, pre
     ids = _prompt(engine, prefix + feed, 1)
     if prefix:
         session.feed(ids[:prefix])
-    first, second = (set(r.ravel().tolist()) for r in model.ngram_rows(session.state.ngram_history, ids[prefix:]))
+    per_layer = [set(r.ravel().tolist()) for r in model.ngram_rows(session.state.ngram_history, ids[prefix:])]
+    first, second = per_layer[:2]
     only_second = second - first
-    assert model.cfg.ple_layers == (0, 2) and only_second
+    assert model.cfg.ple_layers == (0, 2, 4) and only_second
 
     log: list = []
     layer1 = threading.Event()
@@ -119,7 +120,7 @@ def test_reads_run_on_the_reader_thread_while_earlier_layers_compute(engine, pre
     assert overlapped == [True]
     at = {("layer", i): log.index(("layer", i, main)) for i in range(len(model.blocks))}
     reads = [(i, row) for i, (kind, row, _) in enumerate(log) if kind == "read"]
-    assert {row for _, row in reads} == first | second
+    assert {row for _, row in reads} == set().union(*per_layer)
     assert all(i < at["layer", 0] for i, row in reads if row in first)  # layer 0's rows before layer 0
     assert all(i < at["layer", 2] for i, row in reads if row in second)  # layer 2's rows before layer 2
     assert any(i > at["layer", 1] for i, row in reads if row in only_second)  # ...some of them during layer 1
@@ -135,7 +136,7 @@ def test_failed_prefetch_leaves_the_session_unchanged_and_usable(tmp_path, inlin
         session, reference = eng.new_session(), inline.new_session()
         prefix = _prompt(eng, 12, 2)
         np.testing.assert_array_equal(session.feed(prefix), reference.feed(prefix))
-        # the file loses the second half of layer 2's last head (the table is the file's last tensor)
+        # the file loses the second half of layer 4's last head (the table is the file's last tensor)
         assert table.offset + table.nbytes == path.stat().st_size
         cut_row = model.cfg.ple_head_offsets[-1] + model.cfg.ple_head_sizes[-1] // 2
         with open(path, "r+b") as f:
@@ -147,15 +148,15 @@ def test_failed_prefetch_leaves_the_session_unchanged_and_usable(tmp_path, inlin
 
         rng = np.random.default_rng(4)
         candidates = (rng.integers(1, model.vocab_size, feed) for _ in range(10000))
-        # layer 0's rows are readable, layer 2's are not: the error surfaces after layers 0 and 1 ran
-        bad = next(ids for ids in candidates if rows(ids)[0].max() < cut_row <= rows(ids)[1].max())
+        # layers 0 and 2's rows are readable, layer 4's are not: the error surfaces after layers 0-3 ran
+        bad = next(ids for ids in candidates if max(r.max() for r in rows(ids)[:-1]) < cut_row <= rows(ids)[-1].max())
         ok = next(t for t in range(1, model.vocab_size) if max(r.max() for r in rows([t])) < cut_row)
         ran: list = []
         model.blocks = [_LayerLog(b, i, ran) for i, b in enumerate(model.blocks)]
         before, tokens, last = copy.deepcopy(session.state), list(session.tokens), session.last_logits.copy()
         with pytest.raises(GGUFFormatError, match="truncated"):
             session.feed(bad)
-        assert [layer for _, layer, _ in ran] == [0, 1]
+        assert [layer for _, layer, _ in ran] == [0, 1, 2, 3]
         _assert_states_equal(session.state, before)
         assert session.tokens == tokens
         np.testing.assert_array_equal(session.last_logits, last)

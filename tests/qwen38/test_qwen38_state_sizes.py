@@ -33,13 +33,13 @@ def test_info_reports_tiny_qwen38_state_as_spec_section_5_sizes_it():
     ple, n, K_ple, hc, D = (len(get("ple.layers")), get("ple.ngram_size"), get("ple.conv_kernel"),
                             get("hyper_connection.count"), get("embedding_length"))
     dv = inner // nv
-    assert (attention, delta, hkv, hd, di, nk, dk, nv, dv, ple, n) == (2, 2, 1, 64, 32, 2, 32, 4, 32, 2, 3)
+    assert (attention, delta, hkv, hd, di, nk, dk, nv, dv, ple, n) == (3, 3, 1, 64, 32, 2, 64, 4, 64, 3, 3)
     # §5, fp32: attention K and V [T, Hkv, hd] and indexer keys [T, di]; delta-net conv history of K−1 qkv rows
     # (2·nk·dk + nv·dv wide) and state [nv, dk, dv]; PLE conv history (K_ple−1)·n rows × hc·D.
     per_1k = 4 * attention * 1024 * (2 * hkv * hd + di)
     fixed = 4 * (delta * ((K - 1) * (2 * nk * dk + nv * dv) + nv * dk * dv) + ple * (K_ple - 1) * n * hc * D)
     with GGUFFile.open(path, require_data=False) as gguf:
         info = file_summary(gguf)["model"]
-    assert exact_bytes(info["state per 1K tokens"]) == per_1k == 1_310_720
+    assert exact_bytes(info["state per 1K tokens"]) == per_1k == 1_966_080
     assert exact_bytes(info["state, fixed"]) == fixed
     assert exact_bytes(info["state at 4K (max)"]) == fixed + 4 * per_1k
