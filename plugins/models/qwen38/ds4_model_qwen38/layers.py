@@ -1,8 +1,10 @@
 """The Qwen3.8 sub-blocks on the op vocabulary: gated delta-net, gated attention with QSA, MoE, PLE.
 
 Attribute names follow the GGUF tensor names (spec §9.2); shapes are numpy order. ``T`` is the chunk
-length and ``p0`` the position of its first token. A chunk of any length gives the same result as feeding
-its tokens one by one: every quantity depends only on absolute positions and the state of spec §5.
+length and ``p0`` the position of its first token, or ``None`` for one token whose position is only in the device
+array ``pos`` (a decode step recorded once as a graph and replayed: no shape or host decision depends on it). A
+chunk of any length gives the same result as feeding its tokens one by one: every quantity depends only on absolute
+positions and the state of spec §5, which every sub-block writes in place.
 Zero-centred norm weights are stored as ``1 + w`` by the converter, so every norm here is a plain RMS norm.
 """
 
@@ -61,7 +63,7 @@ class GatedDeltaNet:
         self.ssm_out = w.get(f"{blk}.ssm_out.weight", (D, nv * dv), MATMUL)
 
     def __call__(self, ops: Ops, x: Any, ls: DeltaNetState) -> Any:
-        """``x [T, D]`` -> ``[T, D]``; advances ``ls.conv`` and ``ls.memory``."""
+        """``x [T, D]`` -> ``[T, D]``; advances ``ls.conv`` and ``ls.memory`` in place."""
         cfg, xp, T = self.cfg, ops.xp, x.shape[0]
         nk, dk, nv, dv = cfg.ssm_key_heads, cfg.ssm_key_dim, cfg.ssm_value_heads, cfg.ssm_value_dim
         mixed, conv = ops.short_conv(ops.linear(x, self.attn_qkv), ls.conv, self.ssm_conv1d)
@@ -76,7 +78,7 @@ class GatedDeltaNet:
         log_decay = self.ssm_a * xp.logaddexp(0, ops.linear(x, self.ssm_alpha) + self.ssm_dt)  # ssm_a = −exp(A_log)
         rule = ops.gated_delta_rule_chunked if T > 1 else ops.gated_delta_rule
         o, memory = rule(q, k, v, log_decay.astype(xp.float32), beta, ls.memory)
-        ls.conv, ls.memory = conv, memory
+        ls.conv[...], ls.memory[...] = conv, memory
         z = ops.linear(x, self.attn_gate).reshape(T, nv, dv)
         gate = sigmoid(xp, z) if cfg.output_gate == "sigmoid" else silu(xp, z)
         o = ops.rms_norm(o, self.ssm_norm, cfg.rms_norm_eps) * gate
@@ -108,7 +110,9 @@ class GatedAttention:
         """Visibility mask ``[T, n]`` (bool) of the chunk's queries over the first ``n`` positions.
 
         Causal; and once a query sees more complete blocks of ``ratio`` tokens than ``budget / ratio``, only
-        its top-scoring blocks plus the open tail (the tokens after its last complete block) stay visible.
+        its top-scoring blocks plus the open tail (the tokens after its last complete block) stay visible. Blocks
+        a query has not completed never compete (their pooled keys may mix in rows past it), so ``n`` may reach
+        past the chunk, up to the whole cache.
         """
         cfg, xp, T, r = self.cfg, ops.xp, x.shape[0], self.ratio
         keys = xp.arange(n)
@@ -134,18 +138,21 @@ class GatedAttention:
         in_tail = keys[None, :] >= (complete * r)[:, None]
         return visible & (in_tail | xp.take_along_axis(kept, xp.broadcast_to(block_of_key, (T, n)), axis=1))
 
-    def __call__(self, ops: Ops, x: Any, pos: Any, ls: AttentionState, p0: int) -> Any:
-        """``x [T, D]`` at positions ``pos [T]`` -> ``[T, D]``; appends to ``ls``."""
+    def __call__(self, ops: Ops, x: Any, pos: Any, ls: AttentionState, p0: int | None) -> Any:
+        """``x [T, D]`` at positions ``pos [T]`` -> ``[T, D]``; writes ``ls`` at those positions.
+
+        ``p0 = None`` (one token at a device position): the query reads the whole cache under a mask built from
+        ``pos``, so every shape is fixed by the context; rows past ``pos`` are never visible."""
         cfg, xp, T = self.cfg, ops.xp, x.shape[0]
         H, G, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
         qg = ops.linear(x, self.attn_q).reshape(T, H, 2 * hd)
         q = ops.rope_half(ops.rms_norm(qg[:, :, :hd], self.attn_q_norm, eps), pos, self.inv_freq)
         k = ops.rope_half(ops.rms_norm(ops.linear(x, self.attn_k).reshape(T, G, hd), self.attn_k_norm, eps), pos,
                           self.inv_freq)
-        n = p0 + T
-        ls.keys[p0:n] = k
-        ls.values[p0:n] = ops.linear(x, self.attn_v).reshape(T, G, hd)
-        ls.index_keys[p0:n] = ops.linear(x, self.index_k)
+        rows, n = (pos, ls.keys.shape[0]) if p0 is None else (slice(p0, p0 + T), p0 + T)
+        ls.keys[rows] = k
+        ls.values[rows] = ops.linear(x, self.attn_v).reshape(T, G, hd)
+        ls.index_keys[rows] = ops.linear(x, self.index_k)
         mask = self.select(ops, x, pos, ls, n)
         o = ops.gqa_attention(q, ls.keys[:n], ls.values[:n], mask, hd ** -0.5).reshape(T, H * hd)
         return ops.linear(o * sigmoid(xp, qg[:, :, hd:].reshape(T, H * hd)), self.attn_output)
@@ -198,5 +205,6 @@ class PerLayerEmbedding:
         g = xp.sign(g) * xp.sqrt(xp.maximum(xp.abs(g), np.float32(1e-6)))  # signed square root
         gated = sigmoid(xp, g)[:, :, None] * ops.linear(emb, self.ple_value)[:, None, :]
         normed = grouped_rms_norm(ops, gated, self.ple_norm_conv, eps)
-        conv, ls.ple_conv = ops.short_conv(normed.reshape(T, n * D), ls.ple_conv, self.ple_conv1d, cfg.ngram_size)
+        conv, ls.ple_conv[...] = ops.short_conv(normed.reshape(T, n * D), ls.ple_conv, self.ple_conv1d,
+                                                cfg.ngram_size)
         return gated + silu(xp, conv).reshape(T, n, D)

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from ds4_core.backend import Ops, WeightLoader
+from ds4_core.decode_graph import DecodeGraphs
 from ds4_core.errors import ContextError
 
 from .config import Qwen38Config
@@ -50,8 +51,9 @@ class Block:
         self.ple = PerLayerEmbedding(w, blk, cfg, ops) if layer in cfg.ple_layers else None
         self.ffn = MoE(w, blk, cfg)
 
-    def __call__(self, ops: Ops, H: Any, pos: Any, ls: Any, p0: int, ngram: Any | None) -> Any:
-        """Streams ``H [T, n, D]`` -> ``[T, n, D]``; ``ngram [T, E]`` are this layer's n-gram rows (PLE layers)."""
+    def __call__(self, ops: Ops, H: Any, pos: Any, ls: Any, p0: int | None, ngram: Any | None) -> Any:
+        """Streams ``H [T, n, D]`` -> ``[T, n, D]``; ``ngram [T, E]`` are this layer's n-gram rows (PLE layers);
+        ``p0 = None``: one token whose position is only in the device array ``pos``."""
         if self.ple is not None:
             H = H + self.ple(ops, H, ngram, ls)
         x, inject = self.hc_attn(ops, H)
@@ -69,6 +71,10 @@ class Qwen38Model:
     PLE layer compute, else inline before any layer runs. A failed read leaves the state as it was either way
     (with ``prefetch`` the layers already run are rolled back). :meth:`close` stops the reader thread. ``mtp`` is
     the MTP head (:class:`ds4_model_qwen38.mtp.Qwen38Mtp`) when the file has one, else ``None``.
+
+    On backends that record graphs, one-token forwards run :meth:`decode_step` through ``decode_graphs``: the token's
+    n-gram rows are read first (a failed read changes nothing) and copied into the state, then the recorded step
+    replays.
     """
 
     family = "qwen38"
@@ -94,6 +100,8 @@ class Qwen38Model:
                        np.array(cfg.ple_head_sizes[i * heads:(i + 1) * heads], np.int64),
                        np.array(cfg.ple_head_offsets[i * heads:(i + 1) * heads], np.int64))
                       for i in range(len(cfg.ple_layers))]
+        #: One-token forwards as recorded graphs, on backends that record them (else None: plain forwards).
+        self.decode_graphs = DecodeGraphs(ops.backend, self.decode_step) if ops.backend.graphs else None
 
     def new_state(self, ctx: int) -> Qwen38State:
         """Empty state for a context of ``ctx`` tokens."""
@@ -119,7 +127,7 @@ class Qwen38Model:
 
     def forward(self, ids: Any, state: Qwen38State) -> Any:
         """Feed ids ``[T]`` (T ≥ 1) after the ``state.n_tokens`` tokens fed so far; return logits ``[T, V]``."""
-        return self.head(self.forward_streams(ids, state))
+        return self._feed(ids, state, with_logits=True)[0]
 
     def head(self, H: Any) -> Any:
         """Final mixer and output head: trunk streams ``H [T, n, D]`` -> logits ``[T, V]``."""
@@ -129,7 +137,31 @@ class Qwen38Model:
     def forward_streams(self, ids: Any, state: Qwen38State) -> Any:
         """Like :meth:`forward`, but return the streams after the last layer, before the final mixer ``[T, n, D]``
         (what the MTP head reads)."""
+        return self._feed(ids, state, with_logits=False)[1]
+
+    def stage_ngram_rows(self, ids: np.ndarray, state: Qwen38State) -> None:
+        """Read the n-gram rows of one token ``ids [1]`` after ``state.ngram_history`` and copy them into
+        ``state.ngram_rows``, where :meth:`decode_step` reads them. A failed read raises before anything changes."""
+        if self._hash:
+            rows = np.stack(self.ngram_embeddings(state.ngram_history, np.asarray(ids, dtype=np.int64)))
+            state.ngram_rows[...] = self.ops.backend.asarray(rows)
+
+    def decode_step(self, ids: Any, pos: Any, state: Qwen38State) -> tuple[Any, Any]:
+        """One token ``ids [1]`` at the position in the device array ``pos [1]`` -> (logits ``[1, V]``, streams after
+        the last layer ``[1, n, D]``). PLE layers read the rows :meth:`stage_ngram_rows` staged. Writes ``state``'s
+        arrays in place but not ``n_tokens`` or the n-gram history (the caller's job); takes no host decision on the
+        position, so it can be recorded once and replayed."""
         ops, xp, cfg = self.ops, self.ops.xp, self.cfg
+        x = ops.embed(self.token_embd, ids)
+        H = xp.repeat(x[:, None, :], cfg.hc_count, axis=1)
+        staged = dict(zip(cfg.ple_layers, range(len(cfg.ple_layers)), strict=True))
+        for layer, block in enumerate(self.blocks):
+            ngram = state.ngram_rows[staged[layer]] if layer in staged else None
+            H = block(ops, H, pos, state.layers[layer], None, ngram)
+        return self.head(H), H
+
+    def _feed(self, ids: Any, state: Qwen38State, with_logits: bool) -> tuple[Any, Any]:
+        """(logits ``[T, V]`` or None without ``with_logits``, final streams ``[T, n, D]``) of ``ids [T]``."""
         T, p0 = len(ids), state.n_tokens
         if T < 1:
             raise ContextError("forward needs at least one token")
@@ -137,10 +169,28 @@ class Qwen38Model:
             raise ContextError(f"{p0 + T} tokens do not fit the context of {state.ctx}; start a new session "
                                "or load the model with a larger --ctx")
         host_ids = np.asarray(ids, dtype=np.int64)
+        if T == 1 and self.decode_graphs is not None:
+            self.stage_ngram_rows(host_ids, state)
+            logits, H = self.decode_graphs(int(host_ids[0]), p0, state)
+            # the recorded buffers are overwritten by the next step
+            logits, H = (logits.copy() if with_logits else None), H.copy()
+        else:
+            H = self._run(host_ids, state)
+            logits = self.head(H) if with_logits else None
+        if state.ngram_history.size:
+            state.ngram_history = np.concatenate([state.ngram_history, host_ids])[-state.ngram_history.size:]
+        state.n_tokens = p0 + T
+        return logits, H
+
+    def _run(self, host_ids: np.ndarray, state: Qwen38State) -> Any:
+        """The layers over a chunk ``host_ids [T]`` at positions ``state.n_tokens..`` -> final streams ``[T, n, D]``;
+        n-gram rows are read while the layers before each PLE layer run."""
+        ops, xp, cfg = self.ops, self.ops.xp, self.cfg
+        T, p0 = len(host_ids), state.n_tokens
         fetches = self.ngram_fetcher.fetch(self.ngram_rows(state.ngram_history, host_ids)) if self._hash else []
         pending = dict(zip(cfg.ple_layers, fetches, strict=True))
         # a read fails when its PLE layer takes the rows: the layers run by then are put back
-        undo = rollback_point(state, p0, p0 + T, range(max(cfg.ple_layers, default=0)))
+        undo = rollback_point(state, p0, p0 + T, range(max(cfg.ple_layers, default=0)), xp)
         try:
             ids = ops.backend.asarray(host_ids, dtype=xp.int32)
             pos = xp.arange(p0, p0 + T, dtype=xp.int32)
@@ -157,7 +207,4 @@ class Qwen38Model:
                 H = block(ops, H, pos, state.layers[layer], p0, ngram)
         finally:
             settle(fetches)
-        if state.ngram_history.size:
-            state.ngram_history = np.concatenate([state.ngram_history, host_ids])[-state.ngram_history.size:]
-        state.n_tokens = p0 + T
         return H

@@ -2,7 +2,8 @@
 
 Delta-net layers carry a fixed-size state (conv history and the fp32 delta-rule memory); attention layers
 carry their K/V and raw indexer keys per position; PLE layers carry the history of their dilated conv. The
-last ``n − 1`` raw token ids (the n-gram context) are shared by every PLE layer.
+last ``n − 1`` raw token ids (the n-gram context) are shared by every PLE layer. Every array is written in place,
+never replaced: a decode step recorded as a graph keeps reading and writing the arrays it was recorded on.
 """
 
 from __future__ import annotations
@@ -40,12 +41,16 @@ class AttentionState:
 @attrs.define
 class Qwen38State:
     """The whole decoding state: ``n_tokens`` fed so far, the n-gram context ``ngram_history [n − 1]`` (int64,
-    starts as end-of-sequence ids) and one layer state per layer."""
+    starts as end-of-sequence ids, kept on the host) and one layer state per layer.
+
+    ``ngram_rows [PLE layers, 1, E]`` (``None`` without PLE layers) is where the n-gram rows of the next decoded
+    token are copied before a decode step reads them: the disk read stays outside a recorded step."""
 
     ctx: int
     n_tokens: int
     ngram_history: np.ndarray
     layers: list[DeltaNetState | AttentionState]
+    ngram_rows: Any = None
 
 
 def _layer_arrays(cfg: Qwen38Config, layer: int, ctx: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -68,12 +73,15 @@ def new_state(cfg: Qwen38Config, ctx: int, xp: ModuleType) -> Qwen38State:
         arrays = [xp.zeros(shape, dtype=xp.float32) for _, shape in _layer_arrays(cfg, layer, ctx)]
         layers.append(AttentionState(*arrays) if cfg.is_attention(layer) else DeltaNetState(*arrays))
     history = np.full(max(cfg.ngram_size - 1, 0), cfg.ple_eos, dtype=np.int64)
-    return Qwen38State(ctx=ctx, n_tokens=0, ngram_history=history, layers=layers)
+    rows = (xp.zeros((len(cfg.ple_layers), 1, cfg.ple_heads * cfg.ple_row_dim), dtype=xp.float32)
+            if cfg.ple_layers else None)
+    return Qwen38State(ctx=ctx, n_tokens=0, ngram_history=history, layers=layers, ngram_rows=rows)
 
 
 def state_breakdown(cfg: Qwen38Config, ctx: int) -> dict[str, int]:
     """Bytes of the arrays :func:`new_state` allocates for ``ctx`` tokens, by kind (attention KV, indexer keys,
-    delta-net state and conv history, n-gram conv history); the few n-gram token ids are left out."""
+    delta-net state and conv history, n-gram conv history); the few n-gram token ids and the one token's n-gram rows
+    staged for a decode step are left out."""
     sizes: dict[str, int] = {}
     for layer in range(cfg.num_layers):
         for kind, shape in _layer_arrays(cfg, layer, ctx):
@@ -81,26 +89,24 @@ def state_breakdown(cfg: Qwen38Config, ctx: int) -> dict[str, int]:
     return sizes
 
 
-def rollback_point(state: Qwen38State, p0: int, n: int, layers: range) -> Callable[[], None]:
+def rollback_point(state: Qwen38State, p0: int, n: int, layers: range, xp: ModuleType) -> Callable[[], None]:
     """A function that puts ``layers`` of ``state`` back as they are now, for a forward over positions ``p0..n−1``
     that fails after running some of them.
 
-    Cheap: the recurrent ops return new arrays instead of writing their inputs, so delta-net layers are kept by
-    reference; attention layers write only rows ``p0..n−1`` of their caches in place, so only those rows are copied.
+    Attention layers write only rows ``p0..n−1`` of their caches, so only those rows are copied; delta-net layers
+    rewrite their fixed-size arrays, which are copied whole (``xp.array`` copies: numpy, CuPy and MLX alike).
+    Restoring writes the copies back in place.
     """
-    saved: list[tuple[Any, dict[str, Any], bool]] = []
+    saved: list[tuple[Any, str, Any, slice]] = []
     for ls in (state.layers[i] for i in layers):
-        rows = isinstance(ls, AttentionState)
-        fields = attrs.asdict(ls, recurse=False)
-        saved.append((ls, {k: v[p0:n].copy() for k, v in fields.items()} if rows else fields, rows))
+        rows = slice(p0, n) if isinstance(ls, AttentionState) else slice(None)
+        for name, value in attrs.asdict(ls, recurse=False).items():
+            if value is not None:
+                saved.append((ls, name, xp.array(value[rows]), rows))
 
     def restore() -> None:
-        for ls, fields, rows in saved:
-            for name, value in fields.items():
-                if rows:
-                    getattr(ls, name)[p0:n] = value
-                else:
-                    setattr(ls, name, value)
+        for ls, name, value, rows in saved:
+            getattr(ls, name)[rows] = value
 
     return restore
 
