@@ -8,10 +8,16 @@ from __future__ import annotations
 from typing import Any
 
 import cupy as cp
+import numpy as np
 
 from ds4_core.backend import Weight
+from ds4_core.errors import BackendError
 
+from .modules import glue_module
 from .ops import linear, values
+
+#: Most streams ``kernels/hc.cu`` takes (its per-thread matrix is HC_MAX × HC_MAX).
+HC_MAX = 8
 
 F32 = cp.float32
 
@@ -33,21 +39,20 @@ def _weighted_streams(w: Any, S: Any) -> Any:
 
 def hc_pre(S: Any, fn: Weight, scale: Weight, base: Weight, iters: int, eps: float,
            norm_eps: float) -> tuple[Any, Any, Any]:
-    """``S [T, n, D]`` -> (``c [T, D]``, ``post [T, n]``, ``comb [T, n, n]``), Sinkhorn-balanced ``comb``."""
-    n = S.shape[1]
-    mix = _hc_mix(S, fn, norm_eps)
-    b, s = values(base), values(scale)
-    pre = _sigmoid(mix[:, :n] * s[0] + b[:n]) + F32(eps)
-    post = 2 * _sigmoid(mix[:, n:2 * n] * s[1] + b[n:2 * n])
-    logits = mix[:, 2 * n:].reshape(-1, n, n) * s[2] + b[2 * n:].reshape(n, n)
-    comb = cp.exp(logits - logits.max(axis=-1, keepdims=True))
-    comb = comb / comb.sum(axis=-1, keepdims=True) + F32(eps)
-    comb = comb / (comb.sum(axis=-2, keepdims=True) + F32(eps))
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(axis=-1, keepdims=True) + F32(eps))
-        comb = comb / (comb.sum(axis=-2, keepdims=True) + F32(eps))
-    c = _weighted_streams(pre, S)
-    return c.astype(F32), post.astype(F32), comb.astype(F32)
+    """``S [T, n, D]`` -> (``c [T, D]``, ``post [T, n]``, ``comb [T, n, n]``), Sinkhorn-balanced ``comb``.
+
+    The gates and the Sinkhorn iterations of each token are one thread of ``kernels/hc.cu`` (n ≤ 8)."""
+    T, n = S.shape[:2]
+    if n > HC_MAX:
+        raise BackendError(f"the CUDA hyper-connection kernel takes at most {HC_MAX} streams, not {n}; "
+                           "use --backend numpy")
+    mix = cp.ascontiguousarray(_hc_mix(S, fn, norm_eps), dtype=F32)
+    pre, post, comb = cp.empty((T, n), F32), cp.empty((T, n), F32), cp.empty((T, n, n), F32)
+    if T:
+        glue_module().get_function("hc_split")((-(-T // 128),), (128,), (
+            mix, cp.ascontiguousarray(values(scale), dtype=F32), cp.ascontiguousarray(values(base), dtype=F32),
+            np.int32(T), np.int32(n), np.int32(iters), F32(eps), pre, post, comb))
+    return _weighted_streams(pre, S).astype(F32, copy=False), post, comb
 
 
 def hc_post(S: Any, y: Any, post: Any, comb: Any) -> Any:

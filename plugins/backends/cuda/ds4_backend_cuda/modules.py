@@ -3,7 +3,7 @@
 Each weight format gets its own module (five kernels; the formats of :data:`INT8_TYPES` also get the integer
 decode kernels of ``quant_int8.cu``, compiled after ``quant.cu`` in the same module), so the formats compile in
 parallel threads and a process that needs one format compiles only that one; the recurrent-layer kernels and the
-top-k selection with the small decode contractions are two more modules. CuPy keys
+small glue kernels of a decode step are two more modules. CuPy keys
 its on-disk kernel cache by source text and options, so an unchanged source compiles once per machine;
 :func:`warm` forces that at load time rather than at the first token.
 """
@@ -88,13 +88,18 @@ def recurrent_module() -> Any:
     return module
 
 
+#: The small glue kernels of a decode step: top-k, few-token contractions, the hyper-connection split.
+GLUE_SOURCES: tuple[str, ...] = ("select.cu", "rows.cu", "hc.cu")
+GLUE_KERNELS: tuple[str, ...] = ("topk_rank", "dot_rows", "mix_rows", "hc_split")
+
+
 @functools.cache
-def select_module() -> Any:
-    """The compiled ``select.cu`` + ``rows.cu``: ``topk_rank``, ``dot_rows``, ``mix_rows``."""
+def glue_module() -> Any:
+    """The compiled :data:`GLUE_SOURCES` with the kernels :data:`GLUE_KERNELS`."""
     import cupy
 
-    module = cupy.RawModule(code=source("select.cu") + source("rows.cu"), options=_OPTIONS)
-    for name in ("topk_rank", "dot_rows", "mix_rows"):
+    module = cupy.RawModule(code="".join(source(name) for name in GLUE_SOURCES), options=_OPTIONS)
+    for name in GLUE_KERNELS:
         module.get_function(name)
     return module
 
@@ -109,7 +114,7 @@ def warm() -> None:
         with cupy.cuda.Device(device):
             if qtype is None:
                 recurrent_module()
-                select_module()
+                glue_module()
             else:
                 quant_module(qtype)
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from ds4_core.backend import Weight
 
-from .modules import INT8_TYPES, quant_kernel, quantize_kernel, select_module
+from .modules import INT8_TYPES, glue_module, quant_kernel, quantize_kernel
 from .prefill import prefill_linear, prefill_moe
 
 F32 = cp.float32
@@ -316,7 +316,7 @@ def topk(scores: Any, k: int) -> Any:
     T, n = scores.shape
     k = min(k, n)
     out = cp.empty((T, k), dtype=cp.int32)
-    kernel = select_module().get_function("topk_rank")
+    kernel = glue_module().get_function("topk_rank")
     for r0 in range(0, T if k else 0, _MAX_GRID_Y):
         rows = min(_MAX_GRID_Y, T - r0)
         kernel((-(-n // _SELECT_THREADS), rows), (_SELECT_THREADS,), (scores[r0:r0 + rows], _i32(n), _i32(k),
@@ -332,7 +332,7 @@ def _contract(kernel: str, a: Any, b: Any, J: int, n: int) -> Any:
         batch = np.int64(0 if b.ndim == 2 else b.shape[1] * b.shape[2])
         D = b.shape[-1] if kernel == "dot_rows" else n
         per_block = 4 if kernel == "dot_rows" else 128  # dot_rows: a warp per output; mix_rows: a thread
-        select_module().get_function(kernel)((-(-n // per_block), rows, T), (128,),
+        glue_module().get_function(kernel)((-(-n // per_block), rows, T), (128,),
                                              (a, b, c, _i32(rows), _i32(J), _i32(D), batch))
     return c
 
