@@ -81,8 +81,9 @@ def _assign(dst: Any, src: Any) -> Any:
 
 def restore_state_into(dst: Any, src: Any) -> bool:
     """Make ``dst`` equal to ``src`` by copying into ``dst``'s own arrays; False (``dst`` untouched) when their
-    layouts differ. Keeping the arrays keeps anything recorded on them, such as a decode graph, valid."""
-    if not _same_layout(dst, src):
+    layouts differ or the state is not an attrs class (the form this can walk). Keeping the arrays keeps anything
+    recorded on them, such as a decode graph, valid."""
+    if not attrs.has(type(src)) or not _same_layout(dst, src):
         return False
     _assign(dst, src)
     return True

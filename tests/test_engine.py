@@ -58,6 +58,7 @@ def test_restore_state_into_refuses_a_different_layout_and_leaves_it_untouched(e
     engine.model.forward(np.array([1, 2, 3]), large)
     before = copy_state(small)
     assert not restore_state_into(small, large)
+    assert not restore_state_into([small.layers[0].raw], [large.layers[0].raw])  # not an attrs state
     assert small.n_tokens == 0 and all(np.array_equal(a.raw, b.raw) for a, b in
                                    zip(small.layers, before.layers, strict=True))
 
