@@ -37,6 +37,8 @@ class DecodeGraphs:
         # by id(state): states compare by value, so they are not hashable; a finalizer drops a dead state's entry
         # (and its graph, whose buffers were the state's) before its id can be reused.
         self._recordings: dict[int, _Recording] = {}
+        # once a recording fails it fails for every state (same launches, same shapes): stop trying
+        self._unrecordable = False
 
     def __call__(self, token: int, position: int, state: Any) -> Any:
         """The step's outputs for ``token`` at ``position``; they stay valid until the next call on ``state``."""
@@ -44,7 +46,11 @@ class DecodeGraphs:
         if rec is None:
             xp = self.backend.xp
             ids, pos = xp.full((1,), token, dtype=xp.int32), xp.full((1,), position, dtype=xp.int32)
-            outputs, replay = self.backend.capture(lambda: self.step(ids, pos, state))
+            if self._unrecordable:
+                outputs, replay = self.step(ids, pos, state), None
+            else:
+                outputs, replay = self.backend.capture(lambda: self.step(ids, pos, state))
+                self._unrecordable = replay is None
             self._recordings[id(state)] = _Recording(ids, pos, replay)
             weakref.finalize(state, self._recordings.pop, id(state), None)
             return outputs

@@ -32,3 +32,24 @@ def test_steps_run_with_the_given_token_and_position_and_entries_die_with_their_
     gc.collect()
     assert len(graphs._recordings) == 1
     np.testing.assert_array_equal(graphs(6, 2, b), [62])
+
+
+class _CountingBackend(NumpyBackend):
+    """The numpy backend, counting recording attempts (it records nothing, like a step the device cannot record)."""
+
+    calls = 0
+
+    def capture(self, step):
+        self.calls += 1
+        return super().capture(step)
+
+
+def test_after_a_failed_recording_later_states_are_not_recorded_again():
+    backend = _CountingBackend()
+    graphs = DecodeGraphs(backend, _step)
+    states = [_State() for _ in range(3)]
+    for state in states:
+        graphs(1, 0, state)
+        graphs(2, 1, state)
+    assert backend.calls == 1
+    assert all(s.seen == [(1, 0), (2, 1)] for s in states)
