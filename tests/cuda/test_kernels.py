@@ -105,11 +105,18 @@ def test_elementwise_and_norm_ops(cuda_backend, rng):
                                ref.rms_norm(x, norm_ref, 1e-6), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(cuda_backend.to_numpy(ops.rms_norm(xp(x), None, 1e-6)),
                                ref.rms_norm(x, None, 1e-6), rtol=1e-5, atol=1e-6)
+    wide = rng.standard_normal((2, 5000), dtype=np.float32)  # rows longer than a block, width not a warp multiple
+    wide_ref, wide_w = _pair(cuda_backend, "F32", (5000,), rng)
+    np.testing.assert_allclose(cuda_backend.to_numpy(ops.rms_norm(xp(wide), wide_w, 1e-6)),
+                               ref.rms_norm(wide, wide_ref, 1e-6), rtol=1e-5, atol=1e-6)
     pos = np.array([0, 1, 7, 100, 5000], dtype=np.int32)
     inv = (1.0 / 10000 ** (np.arange(8) / 8)).astype(np.float32)
     for inverse in (False, True):
         np.testing.assert_allclose(cuda_backend.to_numpy(ops.rope(xp(x), xp(pos), xp(inv), inverse)),
                                    ref.rope(x, pos, inv, inverse), rtol=1e-4, atol=1e-4)
+    flat = x[:, 1, :]  # a strided [T, d] view, int64 positions
+    np.testing.assert_allclose(cuda_backend.to_numpy(ops.rope(xp(x)[:, 1, :], xp(pos.astype(np.int64)), xp(inv))),
+                               ref.rope(flat, pos, inv), rtol=1e-4, atol=1e-4)
     gate, up = x[0] * 4, x[1] * 4
     for limit in (0.0, 2.5):
         np.testing.assert_allclose(cuda_backend.to_numpy(ops.swiglu(xp(gate), xp(up), limit)),
@@ -138,10 +145,11 @@ def test_topk_on_larger_rows_and_k_beyond_the_row(cuda_backend, rng, rows, n, k)
 
 
 @pytest.mark.parametrize("with_sinks", [False, True])
-def test_sparse_attention_and_indexer(cuda_backend, with_sinks, rng):
+@pytest.mark.parametrize(("T", "K"), [(4, 6), (3, 300), (12, 6)])  # few-token kernels (rows > warps); arrays
+def test_sparse_attention_and_indexer(cuda_backend, with_sinks, T, K, rng):
     from ds4_backend_cuda import ops
 
-    T, H, d, N, K = 4, 3, 32, 20, 6
+    H, d, N = 3, 32, 20
     q = rng.standard_normal((T, H, d), dtype=np.float32)
     kv = rng.standard_normal((N, d), dtype=np.float32)
     idx = rng.integers(-1, N, (T, K)).astype(np.int32)
@@ -168,7 +176,8 @@ def test_moe_route(cuda_backend, rng):
         np.testing.assert_allclose(cuda_backend.to_numpy(w), want_w, rtol=1e-5)
 
 
-def test_hc_and_deepseek4_ops(cuda_backend, rng):
+@pytest.mark.parametrize("n", [4, 6])  # 6: the Sinkhorn matrix spans two registers per lane
+def test_hc_and_deepseek4_ops(cuda_backend, n, rng):
     from ds4_backend_cuda import deepseek4_ops as cu
     from ds4_backend_cuda import hc_ops as hc
     from ds4_model_deepseek4 import ops as dref
@@ -176,7 +185,7 @@ def test_hc_and_deepseek4_ops(cuda_backend, rng):
     from ds4_core import ops_hc
 
     xp, host = cuda_backend.asarray, cuda_backend.to_numpy
-    T, n, D = 3, 4, 64
+    T, D = 3, 64
     S = rng.standard_normal((T, n, D), dtype=np.float32)
     fn_ref, fn = _pair(cuda_backend, "F16", ((2 + n) * n, n * D), rng)
     sc_ref, sc = _pair(cuda_backend, "F32", (3,), rng)

@@ -8,7 +8,7 @@ import cupy as cp
 
 from ds4_core.backend import Weight
 
-from .ops import topk, values
+from .ops import route_scores, route_weights, topk, values
 
 F32 = cp.float32
 
@@ -29,8 +29,7 @@ def moe_route_sigmoid(logits: Any, bias: Weight | None, k: int, routed_scale: fl
     among them win (ties to the lowest id). Weights: the unbiased scores, renormalised if ``normalize``, times
     ``routed_scale``. Device top-k and masks only (no sort, no scatter), so a decode step stays graph-capturable.
     """
-    scores = (1 / (1 + cp.exp(-cp.asarray(logits, dtype=F32)))).astype(F32)
-    choice = scores + values(bias) if bias is not None else scores
+    scores, choice = route_scores(logits, bias, 1)
     if n_group > 1:
         T, E = choice.shape
         grouped = choice.reshape(T * n_group, E // n_group)
@@ -39,10 +38,7 @@ def moe_route_sigmoid(logits: Any, bias: Weight | None, k: int, routed_scale: fl
         kept = (topk(best_two, topk_group)[:, :, None] == groups).any(axis=1)  # [T, n_group]
         choice = cp.where(cp.repeat(kept, E // n_group, axis=1), choice, -cp.inf)
     idx = topk(choice, k)
-    w = cp.take_along_axis(scores, idx, axis=-1)
-    if normalize:
-        w = w / (w.sum(axis=-1, keepdims=True) + F32(1e-20))
-    return idx, (w * F32(routed_scale)).astype(F32)
+    return idx, route_weights(scores, idx, normalize, routed_scale)
 
 
 GLM5_OPS = {"layer_norm": layer_norm, "moe_route_sigmoid": moe_route_sigmoid}

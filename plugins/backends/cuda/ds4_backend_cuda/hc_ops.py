@@ -14,7 +14,7 @@ from ds4_core.backend import Weight
 from ds4_core.errors import BackendError
 
 from .modules import glue_module
-from .ops import linear, values
+from .ops import linear, rms_norm, values, weighted_rows
 
 #: Most streams ``kernels/hc.cu`` takes (its per-thread matrix is HC_MAX × HC_MAX).
 HC_MAX = 8
@@ -26,45 +26,50 @@ def _sigmoid(x: Any) -> Any:
     return (1 / (1 + cp.exp(-x))).astype(F32)
 
 
+def _check_streams(n: int) -> None:
+    if n > HC_MAX:
+        raise BackendError(f"the CUDA hyper-connection kernels take at most {HC_MAX} streams, not {n}; "
+                           "use --backend numpy")
+
+
 def _hc_mix(S: Any, fn: Weight, norm_eps: float) -> Any:
-    flat = S.reshape(S.shape[0], -1).astype(F32)
-    z = flat / cp.sqrt(cp.mean(flat * flat, axis=-1, keepdims=True) + F32(norm_eps))
-    return linear(z, fn)
-
-
-def _weighted_streams(w: Any, S: Any) -> Any:
-    """``Σ_n w[t, n] · S[t, n]`` -> ``[T, D]``, elementwise (no cuBLAS, so a decode step stays capturable)."""
-    return (w[:, :, None] * S).sum(axis=1)
+    return linear(rms_norm(S.reshape(S.shape[0], -1), None, norm_eps), fn)
 
 
 def hc_pre(S: Any, fn: Weight, scale: Weight, base: Weight, iters: int, eps: float,
            norm_eps: float) -> tuple[Any, Any, Any]:
     """``S [T, n, D]`` -> (``c [T, D]``, ``post [T, n]``, ``comb [T, n, n]``), Sinkhorn-balanced ``comb``.
 
-    The gates and the Sinkhorn iterations of each token are one thread of ``kernels/hc.cu`` (n ≤ 8)."""
+    The gates and the Sinkhorn iterations of each token are one warp of ``kernels/hc.cu`` (n ≤ 8)."""
     T, n = S.shape[:2]
-    if n > HC_MAX:
-        raise BackendError(f"the CUDA hyper-connection kernel takes at most {HC_MAX} streams, not {n}; "
-                           "use --backend numpy")
+    _check_streams(n)
     mix = cp.ascontiguousarray(_hc_mix(S, fn, norm_eps), dtype=F32)
     pre, post, comb = cp.empty((T, n), F32), cp.empty((T, n), F32), cp.empty((T, n, n), F32)
     if T:
-        glue_module().get_function("hc_split")((-(-T // 128),), (128,), (
+        glue_module().get_function("hc_split")((-(-T // 4),), (128,), (  # a warp per token
             mix, cp.ascontiguousarray(values(scale), dtype=F32), cp.ascontiguousarray(values(base), dtype=F32),
             np.int32(T), np.int32(n), np.int32(iters), F32(eps), pre, post, comb))
-    return _weighted_streams(pre, S).astype(F32, copy=False), post, comb
+    return weighted_rows(pre, S), post, comb
 
 
 def hc_post(S: Any, y: Any, post: Any, comb: Any) -> Any:
-    """``S'_k = post_k · y + Σ_i comb[i, k] · S_i``; ``S [T, n, D]`` -> ``[T, n, D]``."""
-    mixed = (comb[:, :, :, None] * S[:, :, None, :]).sum(axis=1)  # n² D per token: no cuBLAS (graph-capturable)
-    return (post[:, :, None] * y[:, None, :] + mixed).astype(F32)
+    """``S'_k = post_k · y + Σ_i comb[i, k] · S_i``; ``S [T, n, D]`` -> ``[T, n, D]``, one launch."""
+    S = cp.ascontiguousarray(S, dtype=F32)
+    T, n, D = S.shape
+    _check_streams(n)
+    out = cp.empty_like(S)
+    if out.size:
+        block = min(256, -(-D // 32) * 32)
+        glue_module().get_function("hc_expand")((-(-D // block), T), (block,), (
+            S, cp.ascontiguousarray(y, dtype=F32), cp.ascontiguousarray(post, dtype=F32),
+            cp.ascontiguousarray(comb, dtype=F32), np.int32(n), np.int32(D), out))
+    return out
 
 
 def hc_head(S: Any, fn: Weight, scale: Weight, base: Weight, eps: float, norm_eps: float) -> Any:
     """Final collapse of the streams ``S [T, n, D]`` -> ``[T, D]``."""
     w = _sigmoid(_hc_mix(S, fn, norm_eps) * values(scale)[0] + values(base)) + F32(eps)
-    return _weighted_streams(w, S).astype(F32)
+    return weighted_rows(w, S)
 
 
 def softmax_pool(kv: Any, gate: Any) -> Any:

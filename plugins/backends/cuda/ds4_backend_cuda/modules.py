@@ -88,9 +88,12 @@ def recurrent_module() -> Any:
     return module
 
 
-#: The small glue kernels of a decode step: top-k, few-token contractions, the hyper-connection split.
-GLUE_SOURCES: tuple[str, ...] = ("select.cu", "rows.cu", "hc.cu")
-GLUE_KERNELS: tuple[str, ...] = ("topk_rank", "dot_rows", "mix_rows", "hc_split")
+#: The small glue kernels of a decode step: top-k, few-token contractions, hyper-connections, RMSNorm, RoPE,
+#: attention and routing weights.
+GLUE_SOURCES: tuple[str, ...] = ("select.cu", "rows.cu", "hc.cu", "norm.cu", "attention.cu", "route.cu")
+GLUE_KERNELS: tuple[str, ...] = ("topk_rank", "dot_rows", "mix_rows", "hc_split", "hc_collapse", "hc_expand",
+                                 "rms_norm_rows", "rope_rows", "attend_scores", "attend_mix", "route_scores",
+                                 "route_weights")
 
 
 @functools.cache

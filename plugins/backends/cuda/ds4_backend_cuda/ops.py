@@ -269,24 +269,38 @@ def grouped_linear(x: Any, w: Weight) -> Any:
 
 
 def rms_norm(x: Any, w: Weight | None, eps: float) -> Any:
-    """``x · rsqrt(mean(x²) + eps) [· w]`` over the last axis."""
-    x = cp.asarray(x, dtype=F32)
-    y = x / cp.sqrt(cp.mean(x * x, axis=-1, keepdims=True) + F32(eps))
-    return y if w is None else y * values(w)
+    """``x · rsqrt(mean(x²) + eps) [· w]`` over the last axis, one launch (``kernels/norm.cu``)."""
+    x = cp.ascontiguousarray(x, dtype=F32)
+    y = cp.empty_like(x)
+    d = x.shape[-1]
+    if x.size:
+        scale = np.uint64(0) if w is None else cp.ascontiguousarray(values(w), dtype=F32)
+        threads = min(1024, max(32, -(-d // 128) * 32))  # about four elements per thread
+        glue_module().get_function("rms_norm_rows")((x.size // d,), (threads,), (x, scale, _i32(d), F32(eps), y))
+    return y
 
 
 def rope(x: Any, positions: Any, inv_freq: Any, inverse: bool = False) -> Any:
-    """Interleaved RoPE on the trailing ``2·len(inv_freq)`` channels of ``x [T, ..., d]``."""
-    half = inv_freq.shape[0]
-    angles = cp.asarray(positions, dtype=F32)[:, None] * cp.asarray(inv_freq, dtype=F32)[None, :]
-    angles = angles.reshape(angles.shape[:1] + (1,) * (x.ndim - 2) + (half,))
-    cos, sin = cp.cos(angles), cp.sin(angles)
-    if inverse:
-        sin = -sin
-    out = cp.array(x, dtype=F32)
-    a, b = x[..., -2 * half::2], x[..., -2 * half + 1::2]
-    out[..., -2 * half::2] = a * cos - b * sin
-    out[..., -2 * half + 1::2] = a * sin + b * cos
+    """Interleaved RoPE on the trailing ``2·len(inv_freq)`` channels of ``x [T, ..., d]``, one launch."""
+    x = cp.ascontiguousarray(x, dtype=F32)
+    y = cp.empty_like(x)
+    if x.size:
+        pos = cp.ascontiguousarray(positions, dtype=cp.int32).reshape(-1)
+        d = x.shape[-1]
+        glue_module().get_function("rope_rows")((-(-x.size // _THREADS),), (_THREADS,), (
+            x, pos, cp.ascontiguousarray(inv_freq, dtype=F32), _i64(x.size), _i32(d), _i32(inv_freq.shape[0]),
+            _i32(x.size // d // x.shape[0]), _i32(int(inverse)), y))
+    return y
+
+
+def weighted_rows(w: Any, rows: Any) -> Any:
+    """``Σ_j w[t, j] · rows[t, j]`` -> ``[T, D]`` for ``w [T, n]`` and ``rows [T, n, D]``, in one launch."""
+    rows, w = cp.ascontiguousarray(rows, dtype=F32), cp.ascontiguousarray(w, dtype=F32)
+    T, n, D = rows.shape
+    out = cp.empty((T, D), F32)
+    if out.size:
+        block = min(256, -(-D // 32) * 32)
+        glue_module().get_function("hc_collapse")((-(-D // block), T), (block,), (w, rows, _i32(n), _i32(D), out))
     return out
 
 
@@ -354,8 +368,28 @@ def contract_mix(p: Any, b: Any) -> Any:
     return _contract("mix_rows", p, b, b.shape[-2], b.shape[-1])
 
 
+#: Most rows a query of the few-token attention kernels may list (each block keeps their weights in 48 KiB of shared
+#: memory).
+ATTEND_MAX_ROWS = 12 * 1024 - 32
+
+
 def sparse_attention(q: Any, kv: Any, idx: Any, sinks: Weight | None, scale: float) -> Any:
-    """Multi-query attention of each query ``q [T, H, d]`` over its rows ``idx [T, K]`` of ``kv [N, d]``."""
+    """Multi-query attention of each query ``q [T, H, d]`` over its rows ``idx [T, K]`` of ``kv [N, d]``.
+
+    Few tokens: two launches (``kernels/attention.cu``); prefill: gathered rows and cuBLAS contractions."""
+    T, H, d = q.shape
+    K = idx.shape[1]
+    if 0 < T <= GEMV_TOKENS and 0 < K <= ATTEND_MAX_ROWS:
+        q, kv = cp.ascontiguousarray(q, dtype=F32), cp.ascontiguousarray(kv, dtype=F32)
+        idx = cp.ascontiguousarray(idx, dtype=cp.int32)
+        logits, out = cp.empty((T, H, K), dtype=F32), cp.empty((T, H, d), dtype=F32)
+        module = glue_module()
+        module.get_function("attend_scores")((-(-K // 8), H, T), (256,), (
+            q, kv, idx, _i32(H), _i32(K), _i32(d), F32(scale), logits))
+        sink = np.uint64(0) if sinks is None else cp.ascontiguousarray(values(sinks), dtype=F32)
+        module.get_function("attend_mix")((-(-d // 128), H, T), (128,), (
+            logits, kv, idx, sink, _i32(H), _i32(K), _i32(d), out), shared_mem=(32 + K) * 4)
+        return out
     rows = kv[cp.maximum(idx, 0)]
     logits = contract_dot(q, rows) * F32(scale)
     logits = cp.where((idx >= 0)[:, None, :], logits, -cp.inf)
@@ -378,18 +412,35 @@ def indexer_scores(q: Any, keys: Any, head_weights: Any, scale: float) -> Any:
     return (head_weights[:, :, None] * dots).sum(axis=1) * F32(scale)
 
 
+def route_scores(logits: Any, bias: Weight | None, kind: int) -> tuple[Any, Any]:
+    """(scores, choice = scores + bias) of router ``logits [T, E]`` in one launch (``kernels/route.cu``): scores are
+    ``sqrt(softplus(logits))`` for ``kind`` 0 and ``sigmoid(logits)`` for ``kind`` 1."""
+    logits = cp.ascontiguousarray(logits, dtype=F32)
+    scores, choice = cp.empty_like(logits), cp.empty_like(logits)
+    if logits.size:
+        b = np.uint64(0) if bias is None else cp.ascontiguousarray(values(bias), dtype=F32)
+        glue_module().get_function("route_scores")((-(-logits.size // _THREADS),), (_THREADS,), (
+            logits, b, _i32(kind), _i64(logits.size), _i32(logits.shape[-1]), scores, choice))
+    return scores, choice
+
+
+def route_weights(scores: Any, idx: Any, normalize: bool, routed_scale: float) -> Any:
+    """``scores`` at the chosen experts ``idx [T, k]``, renormalised to sum 1 when ``normalize``, times the scale."""
+    T, k = idx.shape
+    w = cp.empty((T, k), dtype=F32)
+    if w.size:
+        glue_module().get_function("route_weights")((-(-T // 128),), (128,), (
+            scores, cp.ascontiguousarray(idx, dtype=cp.int32), _i32(T), _i32(scores.shape[-1]), _i32(k),
+            _i32(int(normalize)), F32(routed_scale), w))
+    return w
+
+
 def moe_route(logits: Any, bias: Weight | None, k: int, routed_scale: float,
               fixed_idx: Any = None) -> tuple[Any, Any]:
     """sqrt-softplus router: ``logits [T, E]`` -> (expert ids int32 ``[T, k]``, weights ``[T, k]``)."""
-    logits = cp.asarray(logits, dtype=F32)
-    scores = cp.sqrt(cp.where(logits > 20, logits, cp.log1p(cp.exp(cp.minimum(logits, 20))))).astype(F32)
-    if fixed_idx is None:
-        idx = topk(scores + values(bias) if bias is not None else scores, k)
-    else:
-        idx = cp.asarray(fixed_idx, dtype=cp.int32)
-    w = cp.take_along_axis(scores, idx, axis=-1)
-    w = w / (w.sum(axis=-1, keepdims=True) + F32(1e-20)) * F32(routed_scale)
-    return idx, w.astype(F32)
+    scores, choice = route_scores(logits, bias, 0)
+    idx = topk(choice, k) if fixed_idx is None else cp.asarray(fixed_idx, dtype=cp.int32)
+    return idx, route_weights(scores, idx, True, routed_scale)
 
 
 def _expert_gemv(w: Weight, idx: Any, x: Any, x_div: int) -> Any:
@@ -424,8 +475,7 @@ def moe_experts(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, i
     if T * k <= MOE_PAIR_LIMIT and gate_exps.shape[2] % 8 == 0 and down_exps.shape[2] % 8 == 0:
         flat = cp.ascontiguousarray(idx.reshape(-1), dtype=cp.int32)
         h = _expert_gate_up(gate_exps, up_exps, flat, x, k, swiglu_limit)
-        y = _expert_gemv(down_exps, flat, h, 1).reshape(T, k, D)
-        return (y * cp.asarray(weights, dtype=F32)[:, :, None]).sum(axis=1)
+        return weighted_rows(weights, _expert_gemv(down_exps, flat, h, 1).reshape(T, k, D))
     if tensor_core_prefill() and gate_exps.shape[2] % 8 == 0 and down_exps.shape[2] % 8 == 0:
         return prefill_moe(x, gate_exps, up_exps, down_exps, idx, weights, swiglu_limit)
     return _moe_grouped(x, gate_exps, up_exps, down_exps, idx, weights, swiglu_limit)

@@ -1,52 +1,135 @@
-// The hyper-connection split of one token's mix row (spec §3): pre and post gates, and the Sinkhorn-balanced
-// n×n combination. Array code spends ~5 launches per Sinkhorn iteration on a few dozen floats, about a hundred per
-// layer and mix; here one thread does a whole token (n ≤ 8), so a decode step records one launch instead.
-//
-// mix [T, (2+n)·n], scale [3], base [(2+n)·n] -> pre [T, n], post [T, n], comb [T, n, n]; grid ceil(T / blockDim.x).
+// Hyper-connection kernels (spec §3): the split of one token's mix row into gates and the Sinkhorn-balanced n×n
+// combination, and the two stream contractions around a sub-layer. As array code these are about a hundred launches
+// per layer on a few dozen floats; here each is one launch, so a recorded decode step stays short.
 
 #define HC_MAX 8
 
 __device__ __forceinline__ float hc_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
+// One warp per token: lane r·N + k holds element (r, k) of the N×N combination (and lane + 32 the rest when
+// N·N > 32); rows and columns are summed with shuffles in index order, as the array form sums. N is a template
+// argument so the shuffle loops unroll and overlap. (One thread per token kept the 20 iterations' divisions in one
+// serial chain: ~25 µs per token.)
+template <int N>
+__device__ void hc_split_warp(const float* __restrict__ m, const float* __restrict__ scale,
+                              const float* __restrict__ base, int iters, float eps, float* __restrict__ pre,
+                              float* __restrict__ post, float* __restrict__ comb) {
+    constexpr int H = (N * N + 31) / 32;
+    const int lane = threadIdx.x & 31;
+    if (lane < N) {
+        pre[lane] = hc_sigmoid(m[lane] * scale[0] + base[lane]) + eps;
+        post[lane] = 2.f * hc_sigmoid(m[N + lane] * scale[1] + base[N + lane]);
+    }
+    float c[H], sum[H];
+    int r[H], k[H];
+#pragma unroll
+    for (int h = 0; h < H; ++h) {
+        const int e = min(lane + 32 * h, N * N - 1);  // lanes past the matrix shadow its last element
+        r[h] = e / N;
+        k[h] = e % N;
+        c[h] = m[2 * N + e] * scale[2] + base[2 * N + e];
+    }
+    auto at = [&](int i, int j) {  // element (i, j), from the lane that holds it
+        const int e = i * N + j;
+        float v = __shfl_sync(0xffffffffu, c[0], e & 31);
+        if (H > 1) {
+            const float hi = __shfl_sync(0xffffffffu, c[H - 1], e & 31);
+            v = e < 32 ? v : hi;
+        }
+        return v;
+    };
+    auto row_sums = [&]() {
+#pragma unroll
+        for (int h = 0; h < H; ++h) sum[h] = 0.f;
+#pragma unroll
+        for (int j = 0; j < N; ++j)
+#pragma unroll
+            for (int h = 0; h < H; ++h) sum[h] += at(r[h], j);
+    };
+    float peak[H];  // row softmax, then + eps: the first iteration's row step
+#pragma unroll
+    for (int h = 0; h < H; ++h) peak[h] = -3.402823466e38f;
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+#pragma unroll
+        for (int h = 0; h < H; ++h) peak[h] = fmaxf(peak[h], at(r[h], j));
+#pragma unroll
+    for (int h = 0; h < H; ++h) c[h] = expf(c[h] - peak[h]);
+    row_sums();
+#pragma unroll
+    for (int h = 0; h < H; ++h) c[h] = c[h] / sum[h] + eps;
+    for (int it = 0; it < iters; ++it) {
+        if (it > 0) {
+            row_sums();
+#pragma unroll
+            for (int h = 0; h < H; ++h) c[h] /= sum[h] + eps;
+        }
+#pragma unroll
+        for (int h = 0; h < H; ++h) sum[h] = 0.f;
+#pragma unroll
+        for (int i = 0; i < N; ++i)
+#pragma unroll
+            for (int h = 0; h < H; ++h) sum[h] += at(i, k[h]);
+#pragma unroll
+        for (int h = 0; h < H; ++h) c[h] /= sum[h] + eps;
+    }
+#pragma unroll
+    for (int h = 0; h < H; ++h)
+        if (lane + 32 * h < N * N) comb[lane + 32 * h] = c[h];
+}
+
+// mix [T, (2+n)·n], scale [3], base [(2+n)·n] -> pre [T, n], post [T, n], comb [T, n, n]; n <= HC_MAX;
+// grid ceil(T / warps per block).
 extern "C" __global__ void hc_split(const float* __restrict__ mix, const float* __restrict__ scale,
                                     const float* __restrict__ base, int T, int n, int iters, float eps,
                                     float* __restrict__ pre, float* __restrict__ post, float* __restrict__ comb) {
-    const int t = blockIdx.x * blockDim.x + threadIdx.x;
-    if (t >= T) return;
+    const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (t >= T) return;  // whole warps leave together
     const float* m = mix + (size_t)t * (2 + n) * n;
-    for (int i = 0; i < n; ++i) {
-        pre[t * n + i] = hc_sigmoid(m[i] * scale[0] + base[i]) + eps;
-        post[t * n + i] = 2.f * hc_sigmoid(m[n + i] * scale[1] + base[n + i]);
+    pre += (size_t)t * n;
+    post += (size_t)t * n;
+    comb += (size_t)t * n * n;
+    switch (n) {
+        case 1: hc_split_warp<1>(m, scale, base, iters, eps, pre, post, comb); break;
+        case 2: hc_split_warp<2>(m, scale, base, iters, eps, pre, post, comb); break;
+        case 3: hc_split_warp<3>(m, scale, base, iters, eps, pre, post, comb); break;
+        case 4: hc_split_warp<4>(m, scale, base, iters, eps, pre, post, comb); break;
+        case 5: hc_split_warp<5>(m, scale, base, iters, eps, pre, post, comb); break;
+        case 6: hc_split_warp<6>(m, scale, base, iters, eps, pre, post, comb); break;
+        case 7: hc_split_warp<7>(m, scale, base, iters, eps, pre, post, comb); break;
+        default: hc_split_warp<8>(m, scale, base, iters, eps, pre, post, comb); break;
     }
-    float c[HC_MAX * HC_MAX];
-    const float* lm = m + 2 * n;
-    const float* lb = base + 2 * n;
-    for (int r = 0; r < n; ++r) {  // row softmax, then + eps
-        float peak = -3.402823466e38f;
-        for (int k = 0; k < n; ++k) {
-            c[r * n + k] = lm[r * n + k] * scale[2] + lb[r * n + k];
-            peak = fmaxf(peak, c[r * n + k]);
-        }
-        float sum = 0.f;
-        for (int k = 0; k < n; ++k) {
-            c[r * n + k] = expf(c[r * n + k] - peak);
-            sum += c[r * n + k];
-        }
-        for (int k = 0; k < n; ++k) c[r * n + k] = c[r * n + k] / sum + eps;
+}
+
+// out[t, d] = sum_i w[t, i] · S[t, i, d]: the collapse of the streams S [T, n, D] with weights w [T, n] (also the
+// weighted sum of a token's expert outputs);
+// one thread per (t, d), grid (ceil(D / blockDim.x), T).
+extern "C" __global__ void hc_collapse(const float* __restrict__ w, const float* __restrict__ S, int n, int D,
+                                       float* __restrict__ out) {
+    const int d = blockIdx.x * blockDim.x + threadIdx.x;
+    if (d >= D) return;
+    const size_t t = blockIdx.y;
+    const float* s = S + t * n * D + d;
+    float acc = 0.f;
+    for (int i = 0; i < n; ++i) acc = fmaf(w[t * n + i], s[(size_t)i * D], acc);
+    out[t * D + d] = acc;
+}
+
+// out[t, k, d] = post[t, k] · y[t, d] + sum_i comb[t, i, k] · S[t, i, d]: the sub-layer output spread back over
+// the streams; one thread per (t, d) reads its n stream values once; grid (ceil(D / blockDim.x), T).
+extern "C" __global__ void hc_expand(const float* __restrict__ S, const float* __restrict__ y,
+                                     const float* __restrict__ post, const float* __restrict__ comb, int n, int D,
+                                     float* __restrict__ out) {
+    const int d = blockIdx.x * blockDim.x + threadIdx.x;
+    if (d >= D) return;
+    const size_t t = blockIdx.y;
+    float s[HC_MAX];
+    for (int i = 0; i < n; ++i) s[i] = S[(t * n + i) * D + d];
+    const float yd = y[t * D + d];
+    const float* c = comb + t * n * n;
+    for (int k = 0; k < n; ++k) {
+        float mixed = 0.f;
+        for (int i = 0; i < n; ++i) mixed = fmaf(c[i * n + k], s[i], mixed);
+        out[(t * n + k) * D + d] = post[t * n + k] * yd + mixed;
     }
-    for (int it = 0; it < iters; ++it) {
-        if (it > 0) {  // the first iteration's row step is the softmax above
-            for (int r = 0; r < n; ++r) {
-                float sum = 0.f;
-                for (int k = 0; k < n; ++k) sum += c[r * n + k];
-                for (int k = 0; k < n; ++k) c[r * n + k] /= sum + eps;
-            }
-        }
-        for (int k = 0; k < n; ++k) {
-            float sum = 0.f;
-            for (int r = 0; r < n; ++r) sum += c[r * n + k];
-            for (int r = 0; r < n; ++r) c[r * n + k] /= sum + eps;
-        }
-    }
-    for (int i = 0; i < n * n; ++i) comb[(size_t)t * n * n + i] = c[i];
 }

@@ -1,0 +1,48 @@
+// RMSNorm and interleaved RoPE as one launch each. As CuPy array code they cost about 5 and 12 launches per call,
+// and a decode step calls them a few dozen times, so in a recorded graph their launch gaps outweighed the work.
+
+// y[r] = x[r] / sqrt(mean(x[r]^2) + eps) [· w] for rows of width d; one block per row (blockDim.x a multiple of 32,
+// at most 1024); w may be null.
+extern "C" __global__ void rms_norm_rows(const float* __restrict__ x, const float* __restrict__ w, int d, float eps,
+                                         float* __restrict__ y) {
+    __shared__ float partial[32];
+    const float* xr = x + (size_t)blockIdx.x * d;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) ss = fmaf(xr[i], xr[i], ss);
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    if (lane == 0) partial[warp] = ss;
+    __syncthreads();
+    if (warp == 0) {
+        ss = lane < warps ? partial[lane] : 0.f;
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if (lane == 0) partial[0] = ss;
+    }
+    __syncthreads();
+    const float root = sqrtf(partial[0] / (float)d + eps);
+    float* yr = y + (size_t)blockIdx.x * d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) yr[i] = w ? xr[i] / root * w[i] : xr[i] / root;
+}
+
+// Rotation of the trailing 2·half channels of each row of width d, pairs (2i, 2i+1) by pos[t] · inv_freq[i]
+// (backwards when inverse); the leading channels are copied. Rows are grouped per token: row r belongs to token
+// r / rows_per_token. One thread per element; n = all elements.
+extern "C" __global__ void rope_rows(const float* __restrict__ x, const int* __restrict__ pos,
+                                     const float* __restrict__ inv_freq, long long n, int d, int half,
+                                     int rows_per_token, int inverse, float* __restrict__ y) {
+    const long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= n) return;
+    const int c = (int)(e % d);
+    const int j = c - (d - 2 * half);
+    if (j < 0) {
+        y[e] = x[e];
+        return;
+    }
+    const long long row = e / d;
+    const float angle = (float)pos[row / rows_per_token] * inv_freq[j >> 1];
+    float s, co;
+    sincosf(angle, &s, &co);
+    if (inverse) s = -s;
+    const float a = x[e - (j & 1)], b = x[e - (j & 1) + 1];
+    y[e] = (j & 1) ? a * s + b * co : a * co - b * s;
+}
