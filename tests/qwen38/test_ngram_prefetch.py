@@ -1,7 +1,9 @@
 """N-gram rows read on a background thread, overlapping the layers before each PLE layer (shipped tiny model).
 
-The tiny model has PLE blocks on layers 0, 2 and 4 (attention on layers 1, 3 and 5), so the rows of layer 2 are read
-while layers 0 and 1 compute. The oracle is the same model loaded with ``ngram_prefetch=False`` (reads inline).
+The tiny model has PLE blocks on layers 0, 2 and 4 (attention on layers 1, 3 and 5), so a chunk's rows of layer 2
+are read while layers 0 and 1 compute. A one-token feed reads its few rows before any layer runs, as the recorded
+decode step does, so a failed read leaves nothing to undo. The oracle is the same model loaded with
+``ngram_prefetch=False`` (reads inline).
 """
 
 from __future__ import annotations
@@ -83,14 +85,32 @@ def test_prefetch_equals_inline_reads_in_uneven_chunks(engine, inline):
     _assert_states_equal(ours.state, theirs.state)
 
 
-@pytest.mark.parametrize("prefix, feed", [(0, 20), (9, 1)], ids=["prefill", "decode"])
-def test_reads_run_on_the_reader_thread_while_earlier_layers_compute(engine, prefix, feed):
+def test_a_one_token_feed_reads_its_rows_on_the_reader_thread_before_any_layer(engine):
     model, table = engine.model, engine.model.ngram_table
     session = engine.new_session()
-    ids = _prompt(engine, prefix + feed, 1)
-    if prefix:
-        session.feed(ids[:prefix])
-    per_layer = [set(r.ravel().tolist()) for r in model.ngram_rows(session.state.ngram_history, ids[prefix:])]
+    ids = _prompt(engine, 10, 1)
+    session.feed(ids[:9])
+    log: list = []
+    real_read = table._read
+
+    def logged_read(row: int) -> np.ndarray:
+        log.append(("read", row, threading.get_ident()))
+        return real_read(row)
+
+    table._read = logged_read
+    table._cache.clear()
+    model.blocks = [_LayerLog(b, i, log) for i, b in enumerate(model.blocks)]
+    session.feed(ids[9:])
+    reads = [entry for entry in log if entry[0] == "read"]
+    assert reads and threading.get_ident() not in {t for _, _, t in reads}  # the reader thread, not the forward's
+    assert log.index(reads[-1]) < log.index(("layer", 0, threading.get_ident()))
+
+
+def test_reads_run_on_the_reader_thread_while_earlier_layers_compute(engine):
+    model, table = engine.model, engine.model.ngram_table
+    session = engine.new_session()
+    ids = _prompt(engine, 20, 1)
+    per_layer = [set(r.ravel().tolist()) for r in model.ngram_rows(session.state.ngram_history, ids)]
     first, second = per_layer[:2]
     only_second = second - first
     assert model.cfg.ple_layers == (0, 2, 4) and only_second
@@ -111,7 +131,7 @@ def test_reads_run_on_the_reader_thread_while_earlier_layers_compute(engine, pre
     table._read = logged_read
     table._cache.clear()  # cold cache: every row of this feed is read from the file
     model.blocks = [_LayerLog(b, i, log, layer1.set if i == 1 else None) for i, b in enumerate(model.blocks)]
-    session.feed(ids[prefix:])
+    session.feed(ids)
 
     main = threading.get_ident()
     readers = {t for kind, _, t in log if kind == "read"}
@@ -148,7 +168,8 @@ def test_failed_prefetch_leaves_the_session_unchanged_and_usable(tmp_path, inlin
 
         rng = np.random.default_rng(4)
         candidates = (rng.integers(1, model.vocab_size, feed) for _ in range(10000))
-        # layers 0 and 2's rows are readable, layer 4's are not: the error surfaces after layers 0-3 ran
+        # layers 0 and 2's rows are readable, layer 4's are not: in a chunk the error surfaces after layers 0-3 ran,
+        # a single token reads first and runs none
         bad = next(ids for ids in candidates if max(r.max() for r in rows(ids)[:-1]) < cut_row <= rows(ids)[-1].max())
         ok = next(t for t in range(1, model.vocab_size) if max(r.max() for r in rows([t])) < cut_row)
         ran: list = []
@@ -156,7 +177,7 @@ def test_failed_prefetch_leaves_the_session_unchanged_and_usable(tmp_path, inlin
         before, tokens, last = copy.deepcopy(session.state), list(session.tokens), session.last_logits.copy()
         with pytest.raises(GGUFFormatError, match="truncated"):
             session.feed(bad)
-        assert [layer for _, layer, _ in ran] == [0, 1, 2, 3]
+        assert [layer for _, layer, _ in ran] == ([] if feed == 1 else [0, 1, 2, 3])
         _assert_states_equal(session.state, before)
         assert session.tokens == tokens
         np.testing.assert_array_equal(session.last_logits, last)

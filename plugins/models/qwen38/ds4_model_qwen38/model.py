@@ -184,14 +184,18 @@ class Qwen38Model:
 
     def _run(self, host_ids: np.ndarray, state: Qwen38State) -> Any:
         """The layers over a chunk ``host_ids [T]`` at positions ``state.n_tokens..`` -> final streams ``[T, n, D]``;
-        n-gram rows are read while the layers before each PLE layer run."""
+        n-gram rows of a chunk are read while the layers before each PLE layer run."""
         ops, xp, cfg = self.ops, self.ops.xp, self.cfg
         T, p0 = len(host_ids), state.n_tokens
         fetches = self.ngram_fetcher.fetch(self.ngram_rows(state.ngram_history, host_ids)) if self._hash else []
         pending = dict(zip(cfg.ple_layers, fetches, strict=True))
-        # a read fails when its PLE layer takes the rows: the layers run by then are put back
-        undo = rollback_point(state, p0, p0 + T, range(max(cfg.ple_layers, default=0)), xp)
+        undo = None
         try:
+            if T == 1:  # a token's few rows are read before any layer runs: cheaper than copying the state for undo
+                for fetch in fetches:
+                    fetch.result()
+            elif fetches:  # a read fails when its PLE layer takes the rows: the layers run by then are put back
+                undo = rollback_point(state, p0, p0 + T, range(max(cfg.ple_layers, default=0)), xp)
             ids = ops.backend.asarray(host_ids, dtype=xp.int32)
             pos = xp.arange(p0, p0 + T, dtype=xp.int32)
             x = ops.embed(self.token_embd, ids)
@@ -202,7 +206,8 @@ class Qwen38Model:
                     try:
                         ngram = ops.backend.asarray(pending[layer].result().reshape(T, -1))
                     except BaseException:
-                        undo()
+                        if undo is not None:
+                            undo()
                         raise
                 H = block(ops, H, pos, state.layers[layer], p0, ngram)
         finally:
