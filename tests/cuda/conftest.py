@@ -30,3 +30,17 @@ def cuda_backend():
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(1234)
+
+
+@pytest.fixture(scope="module")
+def engines(request, tiny_gguf):
+    """``{"numpy": Engine, "cuda": Engine}`` on the module's ``tiny_gguf`` (a path, or ``(name, path)``) with a
+    context of the module's ``CTX``."""
+    from ds4_core.engine import Engine
+
+    path = tiny_gguf[1] if isinstance(tiny_gguf, tuple) else tiny_gguf
+    loaded = {name: Engine.load(path, backend=name, ctx=request.module.CTX) for name in ("numpy", "cuda")}
+    assert loaded["cuda"].backend.name == "cuda"
+    yield loaded
+    for engine in loaded.values():
+        engine.close()

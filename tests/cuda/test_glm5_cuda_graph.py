@@ -33,17 +33,6 @@ def tiny_gguf(cuda_backend, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_gguf):
-    from ds4_core.engine import Engine
-
-    loaded = {name: Engine.load(tiny_gguf, backend=name, ctx=CTX) for name in ("numpy", "cuda")}
-    assert loaded["cuda"].backend.name == "cuda"
-    yield loaded
-    for engine in loaded.values():
-        engine.close()
-
-
-@pytest.fixture(scope="module")
 def ids(engines) -> np.ndarray:
     return np.random.default_rng(53).integers(1, engines["numpy"].model.vocab_size, PROMPT + STEPS)
 

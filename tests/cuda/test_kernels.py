@@ -145,11 +145,11 @@ def test_topk_on_larger_rows_and_k_beyond_the_row(cuda_backend, rng, rows, n, k)
 
 
 @pytest.mark.parametrize("with_sinks", [False, True])
-@pytest.mark.parametrize(("T", "K"), [(4, 6), (3, 300), (12, 6)])  # few-token kernels (rows > warps); arrays
+@pytest.mark.parametrize(("T", "K"), [(4, 6), (3, 300), (2, 700), (12, 6)])  # few-token kernels (K over tiles); arrays
 def test_sparse_attention_and_indexer(cuda_backend, with_sinks, T, K, rng):
     from ds4_backend_cuda import ops
 
-    H, d, N = 3, 32, 20
+    H, d, N = 11, 40, 20  # heads over two blocks, channels over two warps' widths
     q = rng.standard_normal((T, H, d), dtype=np.float32)
     kv = rng.standard_normal((N, d), dtype=np.float32)
     idx = rng.integers(-1, N, (T, K)).astype(np.int32)

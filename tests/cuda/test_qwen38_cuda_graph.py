@@ -44,17 +44,6 @@ def tiny_gguf(request, cuda_backend, tmp_path_factory) -> tuple[str, Path]:
     return request.param, path
 
 
-@pytest.fixture(scope="module")
-def engines(tiny_gguf):
-    from ds4_core.engine import Engine
-
-    loaded = {name: Engine.load(tiny_gguf[1], backend=name, ctx=CTX) for name in ("numpy", "cuda")}
-    assert loaded["cuda"].backend.name == "cuda"
-    yield loaded
-    for engine in loaded.values():
-        engine.close()
-
-
 def _ids(name: str, model) -> np.ndarray:
     prefill = SCHEDULES[name][0]
     ids = np.random.default_rng(11).integers(1, model.vocab_size, sum(SCHEDULES[name]))

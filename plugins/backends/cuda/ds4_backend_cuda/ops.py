@@ -368,9 +368,10 @@ def contract_mix(p: Any, b: Any) -> Any:
     return _contract("mix_rows", p, b, b.shape[-2], b.shape[-1])
 
 
-#: Most rows a query of the few-token attention kernels may list (each block keeps their weights in 48 KiB of shared
-#: memory).
-ATTEND_MAX_ROWS = 12 * 1024 - 32
+
+
+#: Heads that one block of ``attend_mix`` serves (ATTEND_HEADS in kernels/attention.cu).
+_ATTEND_HEADS = 8
 
 
 def sparse_attention(q: Any, kv: Any, idx: Any, sinks: Weight | None, scale: float) -> Any:
@@ -379,7 +380,7 @@ def sparse_attention(q: Any, kv: Any, idx: Any, sinks: Weight | None, scale: flo
     Few tokens: two launches (``kernels/attention.cu``); prefill: gathered rows and cuBLAS contractions."""
     T, H, d = q.shape
     K = idx.shape[1]
-    if 0 < T <= GEMV_TOKENS and 0 < K <= ATTEND_MAX_ROWS:
+    if 0 < T <= GEMV_TOKENS and K > 0:
         q, kv = cp.ascontiguousarray(q, dtype=F32), cp.ascontiguousarray(kv, dtype=F32)
         idx = cp.ascontiguousarray(idx, dtype=cp.int32)
         logits, out = cp.empty((T, H, K), dtype=F32), cp.empty((T, H, d), dtype=F32)
@@ -387,8 +388,8 @@ def sparse_attention(q: Any, kv: Any, idx: Any, sinks: Weight | None, scale: flo
         module.get_function("attend_scores")((-(-K // 8), H, T), (256,), (
             q, kv, idx, _i32(H), _i32(K), _i32(d), F32(scale), logits))
         sink = np.uint64(0) if sinks is None else cp.ascontiguousarray(values(sinks), dtype=F32)
-        module.get_function("attend_mix")((-(-d // 128), H, T), (128,), (
-            logits, kv, idx, sink, _i32(H), _i32(K), _i32(d), out), shared_mem=(32 + K) * 4)
+        module.get_function("attend_mix")((-(-d // 32), -(-H // _ATTEND_HEADS), T), (32 * _ATTEND_HEADS,), (
+            logits, kv, idx, sink, _i32(H), _i32(K), _i32(d), out))
         return out
     rows = kv[cp.maximum(idx, 0)]
     logits = contract_dot(q, rows) * F32(scale)

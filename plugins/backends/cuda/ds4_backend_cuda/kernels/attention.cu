@@ -1,6 +1,7 @@
 // Sparse multi-query attention of a few query tokens in two launches: the scores of the listed rows, then the
-// masked softmax with sinks and the weighted sum. As array code this was about fifteen launches per layer. The
-// rows are shared by all heads, so after the first head reads them they come from L2.
+// masked softmax with sinks and the weighted sum. As array code this was about fifteen launches per layer. All heads
+// share the rows (one K=V table), so the scores read them from L2 after the first head, and the weighted sum reads
+// each row once for a group of heads.
 //
 // q [T, H, d], kv [N, d] (keys = values), idx [T, K] rows per query (-1 = none), sinks [H] or null -> out [T, H, d].
 
@@ -26,71 +27,70 @@ extern "C" __global__ void attend_scores(const float* __restrict__ q, const floa
     if (lane == 0) logits[th * K + j] = r >= 0 ? s * scale : NEG_INF;
 }
 
-// Reduce v over the block (max when is_max, else sum); every thread gets the result. red: 32 floats.
-__device__ float block_reduce(float v, bool is_max, float* red) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    for (int o = 16; o > 0; o >>= 1) {
-        const float u = __shfl_xor_sync(0xffffffffu, v, o);
-        v = is_max ? fmaxf(v, u) : v + u;
-    }
-    __syncthreads();  // red may still be read by an earlier reduction
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
-    v = lane < warps ? red[lane] : (is_max ? NEG_INF : 0.f);
-    for (int o = 16; o > 0; o >>= 1) {
-        const float u = __shfl_xor_sync(0xffffffffu, v, o);
-        v = is_max ? fmaxf(v, u) : v + u;
-    }
-    return v;
-}
-
-// out[t, h, c] = sum_j softmax(logits[t, h] with the sink)[j] · kv[idx[t, j], c]. Each block redoes the softmax of
-// its (t, h) into shared memory (K floats after 32 for the reductions), then each thread sums one channel over the
-// rows, eight loads in flight. grid (ceil(d / blockDim.x), H, T).
-#define MIX_UNROLL 8
-extern "C" __global__ void attend_mix(const float* __restrict__ logits, const float* __restrict__ kv,
-                                      const int* __restrict__ idx, const float* __restrict__ sinks, int H, int K,
-                                      int d, float* __restrict__ out) {
-    extern __shared__ float shared[];
-    float* red = shared;
-    float* p = shared + 32;
-    const int h = blockIdx.y;
-    const size_t th = (size_t)blockIdx.z * H + h;
-    const float* l = logits + th * K;
-    const int* rows = idx + (size_t)blockIdx.z * K;
-    float peak = NEG_INF;
-    for (int j = threadIdx.x; j < K; j += blockDim.x) peak = fmaxf(peak, l[j]);
-    peak = block_reduce(peak, true, red);
-    if (sinks) peak = fmaxf(peak, sinks[h]);
-    else if (peak == NEG_INF) peak = 0.f;
-    float sum = 0.f;
-    for (int j = threadIdx.x; j < K; j += blockDim.x) {
-        const float e = expf(l[j] - peak);
-        p[j] = e;
-        sum += e;
-    }
-    sum = block_reduce(sum, false, red);
-    if (sinks) sum += expf(sinks[h] - peak);
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    float* o = out + th * d;
-    if (sum == 0.f) {  // nothing to attend to and no sink: 0 / 0, as the array form gives
-        if (c < d) o[c] = __int_as_float(0x7fc00000);
-        return;
-    }
-    for (int j = threadIdx.x; j < K; j += blockDim.x) p[j] /= sum;
-    __syncthreads();
-    if (c >= d) return;
-    float acc[MIX_UNROLL] = {};
-    int j = 0;
-    for (; j + MIX_UNROLL <= K; j += MIX_UNROLL) {
-#pragma unroll
-        for (int u = 0; u < MIX_UNROLL; ++u) {  // a masked row has p = 0: read row 0 instead of branching
-            acc[u] = fmaf(p[j + u], kv[(size_t)max(rows[j + u], 0) * d + c], acc[u]);
+// out[t, h, c] = sum_j softmax(logits[t, h] with the sink)[j] · kv[idx[t, j], c]. A block takes 32 channels of
+// ATTEND_HEADS heads: warp w first finds head w's softmax peak and sum, then the rows go by in tiles of ATTEND_TILE,
+// each row read once for all the block's heads (lane = channel, warp = every eighth row of the tile), and the warps'
+// partial sums are added in a fixed order. grid (ceil(d / 32), ceil(H / ATTEND_HEADS), T), ATTEND_HEADS warps.
+#define ATTEND_HEADS 8
+#define ATTEND_TILE 256
+extern "C" __global__ void __launch_bounds__(32 * ATTEND_HEADS) attend_mix(
+        const float* __restrict__ logits, const float* __restrict__ kv, const int* __restrict__ idx,
+        const float* __restrict__ sinks, int H, int K, int d, float* __restrict__ out) {
+    __shared__ float p[ATTEND_HEADS][ATTEND_TILE];
+    __shared__ int tile_rows[ATTEND_TILE];
+    __shared__ float peak_of[ATTEND_HEADS], sum_of[ATTEND_HEADS];
+    __shared__ float partial[ATTEND_HEADS][ATTEND_HEADS][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int t = blockIdx.z, c = blockIdx.x * 32 + lane;
+    const int* rows = idx + (size_t)t * K;
+    {  // warp w: softmax statistics of head h0 + w
+        const int h = blockIdx.y * ATTEND_HEADS + warp;
+        float peak = NEG_INF, sum = 0.f;
+        if (h < H) {
+            const float* l = logits + ((size_t)t * H + h) * K;
+            for (int j = lane; j < K; j += 32) peak = fmaxf(peak, l[j]);
+            for (int o = 16; o > 0; o >>= 1) peak = fmaxf(peak, __shfl_xor_sync(0xffffffffu, peak, o));
+            if (sinks) peak = fmaxf(peak, sinks[h]);
+            else if (peak == NEG_INF) peak = 0.f;
+            for (int j = lane; j < K; j += 32) sum += expf(l[j] - peak);
+            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            if (sinks) sum += expf(sinks[h] - peak);
+        }
+        if (lane == 0) {
+            peak_of[warp] = peak;
+            sum_of[warp] = sum;
         }
     }
-    for (; j < K; ++j) acc[0] = fmaf(p[j], kv[(size_t)max(rows[j], 0) * d + c], acc[0]);
-    float s = 0.f;
+    float acc[ATTEND_HEADS] = {};
+    for (int j0 = 0; j0 < K; j0 += ATTEND_TILE) {
+        const int n = min(ATTEND_TILE, K - j0);
+        __syncthreads();  // the statistics are written; the last tile is consumed
+        for (int e = threadIdx.x; e < ATTEND_HEADS * ATTEND_TILE; e += blockDim.x) {
+            const int hh = e / ATTEND_TILE, j = e % ATTEND_TILE, h = blockIdx.y * ATTEND_HEADS + hh;
+            float v = 0.f;  // a masked row has weight exp(-inf) = 0
+            if (j < n && h < H)
+                v = expf(logits[((size_t)t * H + h) * K + j0 + j] - peak_of[hh]) / sum_of[hh];
+            p[hh][j] = v;
+            if (hh == 0 && j < n) tile_rows[j] = max(rows[j0 + j], 0);  // row 0 stands in for masked rows
+        }
+        __syncthreads();
+        if (c < d) {
+#pragma unroll 8
+            for (int j = warp; j < n; j += ATTEND_HEADS) {
+                const float v = kv[(size_t)tile_rows[j] * d + c];
 #pragma unroll
-    for (int u = 0; u < MIX_UNROLL; ++u) s += acc[u];
-    o[c] = s;
+                for (int hh = 0; hh < ATTEND_HEADS; ++hh) acc[hh] = fmaf(p[hh][j], v, acc[hh]);
+            }
+        }
+    }
+#pragma unroll
+    for (int hh = 0; hh < ATTEND_HEADS; ++hh) partial[warp][hh][lane] = acc[hh];
+    __syncthreads();
+    const int h = blockIdx.y * ATTEND_HEADS + warp;  // warp w adds up head w over the warps
+    if (h < H && c < d) {
+        float s = 0.f;
+#pragma unroll
+        for (int w = 0; w < ATTEND_HEADS; ++w) s += partial[w][warp][lane];
+        out[((size_t)t * H + h) * d + c] = s;
+    }
 }
