@@ -35,6 +35,16 @@ def _used_device_bytes(backend: str) -> int | None:
     return cupy.get_default_memory_pool().used_bytes()
 
 
+def _device_in_use(backend: str) -> int | None:
+    """Bytes of device memory in use by every allocator and the context (total − free), or None off the GPU."""
+    if backend != "cuda":
+        return None
+    import cupy
+
+    free, total = cupy.cuda.runtime.memGetInfo()
+    return total - free
+
+
 def measure(path: Path, backend: str = "cuda", prompt_tokens: int = 512, decode_tokens: int = 64,
             seed: int = 0) -> dict[str, Any]:
     """Prefill t/s of ``prompt_tokens`` and decode t/s over ``decode_tokens`` steps, graphs on and off."""
@@ -57,10 +67,11 @@ def measure(path: Path, backend: str = "cuda", prompt_tokens: int = 512, decode_
         result = {"model": path.name, "backend": engine.backend.name, "prompt_tokens": prompt_tokens,
                   "decode_tokens": decode_tokens, "prefill_tokens_per_s": prompt_tokens / prefill,
                   "file_tensor_bytes": sum(t.nbytes for t in engine.gguf.tensors.values()),
-                  "device_weight_bytes": weights}
+                  "device_weight_bytes": weights, "device_bytes_after_prefill": _device_in_use(backend)}
         if graphs is not None:
             result["graph_decode_tokens_per_s"] = decode_tokens / _decode(session, int(ids[-1]), decode_tokens)
             result["graph_replayed"] = graphs.replays(session.state)
+            result["device_bytes_after_graph_decode"] = _device_in_use(backend)
             session.restore(snap)
             engine.model.decode_graphs = None
         result["eager_decode_tokens_per_s"] = decode_tokens / _decode(session, int(ids[-1]), decode_tokens)
@@ -84,3 +95,7 @@ def print_measurement(r: dict[str, Any]) -> None:
     else:
         line += " (this model's decode step is not recorded as a graph)"
     print(line)
+    if r["device_bytes_after_prefill"] is not None:
+        prefill, after = r["device_bytes_after_prefill"], r.get("device_bytes_after_graph_decode")
+        line = f"  device memory in use (all allocators and the context): {prefill / 1e9:.3f} GB after the prefill"
+        print(line + (f", {after / 1e9:.3f} GB after the graph decode" if after else ""))
