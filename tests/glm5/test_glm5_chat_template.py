@@ -14,11 +14,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from click.testing import CliRunner
 from ds4_model_glm5.chat import GlmChat
 
-from ds4_core.cli import cli
-from ds4_core.testing.chat_templates import convert_cli, gguf_template_bytes, openai_form, render
+from ds4_core.testing.chat_templates import (
+    both_renderings,
+    convert_cli,
+    gguf_template_bytes,
+    info_template,
+    openai_form,
+    render,
+    template_in_tokenizer_config,
+)
 
 pytest.importorskip("jinja2")
 pytest.importorskip("transformers.utils.chat_template_utils")
@@ -51,10 +57,6 @@ def render_template(template: str, messages: list[dict[str, Any]], *, tools: lis
                   **TEMPLATE_THINKING[thinking], **variables)
 
 
-
-
-
-
 @pytest.fixture(scope="module")
 def gguf_with_template(tiny_hf, tmp_path_factory) -> Path:
     """A GLM 5.2 GGUF converted by ``ds4 convert`` from the tiny model plus ``chat_template.jinja``."""
@@ -71,20 +73,13 @@ def template(gguf_with_template: Path) -> str:
     return gguf_template_bytes(gguf_with_template).decode("utf-8")
 
 
-
-
-
-
 def test_chat_template_jinja_reaches_the_gguf_byte_for_byte(gguf_with_template):
     assert gguf_template_bytes(gguf_with_template) == TEMPLATE.read_bytes()
 
 
 def test_chat_template_in_tokenizer_config_reaches_the_glm5_next_gguf(tiny_next_hf, tmp_path):
     shutil.copytree(tiny_next_hf("mixed")[0], tmp_path / "src")
-    config_path = tmp_path / "src" / "tokenizer_config.json"
-    config = json.loads(config_path.read_text(encoding="utf-8"))
-    config["chat_template"] = TEMPLATE.read_text(encoding="utf-8")
-    config_path.write_text(json.dumps(config, ensure_ascii=False), encoding="utf-8")
+    template_in_tokenizer_config(tmp_path / "src", TEMPLATE.read_text(encoding="utf-8"))
     convert_cli(tmp_path / "src", tmp_path / "out.gguf")
     assert gguf_template_bytes(tmp_path / "out.gguf") == TEMPLATE.read_bytes()
 
@@ -95,26 +90,23 @@ def test_without_a_template_the_gguf_has_none(tiny_hf, tmp_path):
 
 
 def test_ds4_info_reports_the_template(gguf_with_template):
-    result = CliRunner().invoke(cli, ["info", str(gguf_with_template), "--json"])
-    assert result.exit_code == 0, result.output
-    assert json.loads(result.output)["chat_template"] == TEMPLATE.read_text(encoding="utf-8")
+    assert info_template(gguf_with_template) == TEMPLATE.read_text(encoding="utf-8")
 
 
 @pytest.mark.parametrize("thinking", ["none", "high", "max"])
 @pytest.mark.parametrize("with_tools", [False, True], ids=["no-tools", "tools"])
 @pytest.mark.parametrize("name", list(CONVERSATIONS))
 def test_renderer_equals_the_gguf_template(template, name, with_tools, thinking):
-    messages, tools = CONVERSATIONS[name], TOOLS if with_tools else None
-    expected = render_template(template, messages, tools=tools, thinking=thinking)
-    assert GlmChat().render(openai_form(messages), tools=tools, thinking=thinking) == expected
+    ours, theirs = both_renderings(GlmChat(), template, CONVERSATIONS[name], tools=TOOLS if with_tools else None,
+                                   thinking=thinking, template_variables=TEMPLATE_THINKING[thinking])
+    assert ours == theirs
 
 
 @pytest.mark.parametrize("name", list(CONVERSATIONS))
 def test_renderer_equals_the_template_without_generation_prompt(template, name):
-    messages = CONVERSATIONS[name]
-    expected = render_template(template, messages, tools=TOOLS, thinking="max", add_generation_prompt=False)
-    assert GlmChat().render(openai_form(messages), tools=TOOLS, thinking="max", add_generation_prompt=False) \
-        == expected
+    ours, theirs = both_renderings(GlmChat(), template, CONVERSATIONS[name], tools=TOOLS, thinking="max",
+                                   template_variables=TEMPLATE_THINKING["max"], add_generation_prompt=False)
+    assert ours == theirs
 
 
 def test_spec_goldens(template):

@@ -15,11 +15,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from click.testing import CliRunner
 from ds4_model_qwen38.chat import Qwen38Chat
 
-from ds4_core.cli import cli
-from ds4_core.testing.chat_templates import convert_cli, gguf_template_bytes, openai_form, render
+from ds4_core.testing.chat_templates import (
+    both_renderings,
+    convert_cli,
+    gguf_template_bytes,
+    info_template,
+    openai_form,
+    render,
+    template_in_tokenizer_config,
+)
 
 pytest.importorskip("jinja2")
 pytest.importorskip("transformers.utils.chat_template_utils")
@@ -39,10 +45,6 @@ def render_template(template: str, messages: list[dict[str, Any]], *, tools: lis
                   **TEMPLATE_THINKING[thinking], **variables)
 
 
-
-
-
-
 @pytest.fixture(scope="module")
 def gguf_with_template(tiny_hf, tmp_path_factory) -> Path:
     """A Qwen3.8 GGUF converted by ``ds4 convert`` from the tiny model plus ``chat_template.jinja`` (and another
@@ -50,9 +52,7 @@ def gguf_with_template(tiny_hf, tmp_path_factory) -> Path:
     src = tmp_path_factory.mktemp("qwen38-template") / "src"
     shutil.copytree(tiny_hf("a")[0], src)
     shutil.copyfile(TEMPLATE, src / "chat_template.jinja")
-    config = json.loads((src / "tokenizer_config.json").read_text(encoding="utf-8"))
-    config["chat_template"] = "{% for m in messages %}{{ m.content }}{% endfor %}"
-    (src / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    template_in_tokenizer_config(src, "{% for m in messages %}{{ m.content }}{% endfor %}")
     convert_cli(src, src.parent / "out.gguf")
     return src.parent / "out.gguf"
 
@@ -73,35 +73,29 @@ def test_chat_template_jinja_reaches_the_gguf_byte_for_byte(gguf_with_template):
 
 def test_chat_template_in_tokenizer_config_reaches_the_gguf(tiny_hf, tmp_path):
     shutil.copytree(tiny_hf("a")[0], tmp_path / "src")
-    config_path = tmp_path / "src" / "tokenizer_config.json"
-    config = json.loads(config_path.read_text(encoding="utf-8"))
-    config["chat_template"] = TEMPLATE.read_text(encoding="utf-8")
-    config_path.write_text(json.dumps(config), encoding="utf-8")
+    template_in_tokenizer_config(tmp_path / "src", TEMPLATE.read_text(encoding="utf-8"))
     convert_cli(tmp_path / "src", tmp_path / "out.gguf")
     assert gguf_template_bytes(tmp_path / "out.gguf") == TEMPLATE.read_bytes()
 
 
 def test_ds4_info_reports_the_template(gguf_with_template):
-    result = CliRunner().invoke(cli, ["info", str(gguf_with_template), "--json"])
-    assert result.exit_code == 0, result.output
-    assert json.loads(result.output)["chat_template"] == TEMPLATE.read_text(encoding="utf-8")
+    assert info_template(gguf_with_template) == TEMPLATE.read_text(encoding="utf-8")
 
 
 @pytest.mark.parametrize("thinking", ["none", "high", "max"])
 @pytest.mark.parametrize("with_tools", [False, True], ids=["no-tools", "tools"])
 @pytest.mark.parametrize("name", list(CONVERSATIONS))
 def test_renderer_equals_the_gguf_template(template, name, with_tools, thinking):
-    messages, tools = CONVERSATIONS[name], TOOLS if with_tools else None
-    expected = render_template(template, messages, tools=tools, thinking=thinking)
-    assert Qwen38Chat().render(openai_form(messages), tools=tools, thinking=thinking) == expected
+    ours, theirs = both_renderings(Qwen38Chat(), template, CONVERSATIONS[name], tools=TOOLS if with_tools else None,
+                                   thinking=thinking, template_variables=TEMPLATE_THINKING[thinking])
+    assert ours == theirs
 
 
 @pytest.mark.parametrize("name", list(CONVERSATIONS))
 def test_renderer_equals_the_template_without_generation_prompt(template, name):
-    messages = CONVERSATIONS[name]
-    expected = render_template(template, messages, tools=TOOLS, thinking="max", add_generation_prompt=False)
-    assert Qwen38Chat().render(openai_form(messages), tools=TOOLS, thinking="max", add_generation_prompt=False) \
-        == expected
+    ours, theirs = both_renderings(Qwen38Chat(), template, CONVERSATIONS[name], tools=TOOLS, thinking="max",
+                                   template_variables=TEMPLATE_THINKING["max"], add_generation_prompt=False)
+    assert ours == theirs
 
 
 def test_spec_layout(template):
