@@ -7,6 +7,7 @@ import pytest
 
 from ds4_core import ops as ref
 from ds4_core.backend import Weight
+from ds4_core.errors import BackendError
 from ds4_core.quants import block_geometry, dequantize, random_blocks
 
 pytestmark = pytest.mark.gpu
@@ -117,6 +118,8 @@ def test_elementwise_and_norm_ops(cuda_backend, rng):
     flat = x[:, 1, :]  # a strided [T, d] view, int64 positions
     np.testing.assert_allclose(cuda_backend.to_numpy(ops.rope(xp(x)[:, 1, :], xp(pos.astype(np.int64)), xp(inv))),
                                ref.rope(flat, pos, inv), rtol=1e-4, atol=1e-4)
+    with pytest.raises(BackendError, match="one position per token"):
+        ops.rope(xp(x), xp(pos[:2]), xp(inv))
     gate, up = x[0] * 4, x[1] * 4
     for limit in (0.0, 2.5):
         np.testing.assert_allclose(cuda_backend.to_numpy(ops.swiglu(xp(gate), xp(up), limit)),

@@ -15,6 +15,7 @@ import cupy as cp
 import numpy as np
 
 from ds4_core.backend import Weight
+from ds4_core.errors import BackendError
 
 from .modules import INT8_TYPES, glue_module, quant_kernel, quantize_kernel
 from .prefill import prefill_linear, prefill_moe
@@ -286,6 +287,8 @@ def rope(x: Any, positions: Any, inv_freq: Any, inverse: bool = False) -> Any:
     y = cp.empty_like(x)
     if x.size:
         pos = cp.ascontiguousarray(positions, dtype=cp.int32).reshape(-1)
+        if pos.size != x.shape[0]:
+            raise BackendError(f"rope needs one position per token: {pos.size} positions for {x.shape[0]} tokens")
         d = x.shape[-1]
         glue_module().get_function("rope_rows")((-(-x.size // _THREADS),), (_THREADS,), (
             x, pos, cp.ascontiguousarray(inv_freq, dtype=F32), _i64(x.size), _i32(d), _i32(inv_freq.shape[0]),
