@@ -127,6 +127,8 @@ def test_bench_model_file_end_to_end_on_numpy():
     assert r["backend"] == "numpy" and r["prompt_tokens"] == 16 and r["decode_tokens"] == 4
     assert r["prefill_tokens_per_s"] > 0 and r["eager_decode_tokens_per_s"] > 0
     assert "graph_decode_tokens_per_s" not in r  # numpy records no graphs
+    assert r["device_bytes_after_prefill"] is None  # no device memory to count
+    assert r["context"] == 22 and r["state_bytes"] > 0 and r["state_bytes_per_1k_tokens"] > 0
 
 
 def test_bench_model_file_must_exist(tmp_path):

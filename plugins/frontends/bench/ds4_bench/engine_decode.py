@@ -51,7 +51,8 @@ def measure(path: Path, backend: str = "cuda", prompt_tokens: int = 512, decode_
     from ds4_core.engine import Engine
 
     before = _used_device_bytes(backend)
-    engine = Engine.load(path, backend=backend, ctx=prompt_tokens + decode_tokens + 2)
+    ctx = prompt_tokens + decode_tokens + 2
+    engine = Engine.load(path, backend=backend, ctx=ctx)
     try:
         weights = _used_device_bytes(backend) - before if before is not None else None
         ids = np.random.default_rng(seed).integers(0, engine.tokenizer.vocab_size, prompt_tokens + 1)
@@ -67,7 +68,9 @@ def measure(path: Path, backend: str = "cuda", prompt_tokens: int = 512, decode_
         result = {"model": path.name, "backend": engine.backend.name, "prompt_tokens": prompt_tokens,
                   "decode_tokens": decode_tokens, "prefill_tokens_per_s": prompt_tokens / prefill,
                   "file_tensor_bytes": sum(t.nbytes for t in engine.gguf.tensors.values()),
-                  "device_weight_bytes": weights, "device_bytes_after_prefill": _device_in_use(backend)}
+                  "device_weight_bytes": weights, "device_bytes_after_prefill": _device_in_use(backend),
+                  "context": ctx, "state_bytes": engine.model.state_nbytes(ctx),
+                  "state_bytes_per_1k_tokens": engine.model.state_nbytes(ctx + 1024) - engine.model.state_nbytes(ctx)}
         if graphs is not None:
             result["graph_decode_tokens_per_s"] = decode_tokens / _decode(session, int(ids[-1]), decode_tokens)
             result["graph_replayed"] = graphs.replays(session.state)
@@ -95,6 +98,8 @@ def print_measurement(r: dict[str, Any]) -> None:
     else:
         line += " (this model's decode step is not recorded as a graph)"
     print(line)
+    print(f"  decoding state: {r['state_bytes'] / 2**20:.2f} MiB for the {r['context']}-token context, "
+          f"+{r['state_bytes_per_1k_tokens'] / 2**20:.2f} MiB per 1K tokens")
     if r["device_bytes_after_prefill"] is not None:
         prefill, after = r["device_bytes_after_prefill"], r.get("device_bytes_after_graph_decode")
         line = f"  device memory in use (all allocators and the context): {prefill / 1e9:.3f} GB after the prefill"
