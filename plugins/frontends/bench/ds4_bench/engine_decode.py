@@ -56,8 +56,8 @@ def measure(path: Path, backend: str = "cuda", prompt_tokens: int = 512, decode_
     try:
         weights = _used_device_bytes(backend) - before if before is not None else None
         ids = np.random.default_rng(seed).integers(0, engine.tokenizer.vocab_size, prompt_tokens + 1)
-        warm = engine.new_session()  # compile and load the kernels of both paths before timing
-        warm.feed(ids[:min(64, prompt_tokens)])
+        warm = engine.new_session()  # compile and load the kernels of both paths (a whole prefill chunk) first
+        warm.feed(ids[:min(warm.prefill_chunk, prompt_tokens)])
         warm.feed(ids[:1])
         session = engine.new_session()
         start = time.perf_counter()
