@@ -12,7 +12,7 @@ import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import numpy as np
@@ -234,8 +234,10 @@ class Session:
         """Tokens that still fit in the context."""
         return self.engine.ctx - len(self.tokens)
 
-    def feed(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
-        """Advance the state by ``token_ids``; return float32 logits ``[n, vocab]``, one row per token.
+    def feed(self, token_ids: Sequence[int] | np.ndarray, *, logits: Literal["all", "last"] = "all") -> np.ndarray:
+        """Advance the state by ``token_ids``; return float32 logits ``[n, vocab]``, one row per token, or with
+        ``logits="last"`` only the last row ``[1, vocab]``: a prompt fed to sample from its end needs no more, and
+        every other row would cross to the host (2048 rows of a 129K vocabulary are 1 GB).
 
         Atomic: if it raises, the session is as before the call (state, tokens, last logits). A feed longer
         than :attr:`prefill_chunk` runs in chunks, each advancing the state, so it first copies the state
@@ -246,6 +248,8 @@ class Session:
         until :meth:`restore` rather than continue from it.
         """
         self._check_usable()
+        if logits not in ("all", "last"):
+            raise Ds4Error(f"logits must be 'all' or 'last', not {logits!r}")
         ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             return np.zeros((0, self.engine.model.vocab_size), np.float32)
@@ -262,8 +266,10 @@ class Session:
         try:
             for start in range(0, ids.size, self.prefill_chunk):
                 chunk = ids[start:start + self.prefill_chunk].astype(np.int32)
-                logits = self.engine.model.forward(chunk, self.state)
-                out.append(np.asarray(self.engine.backend.to_numpy(logits), dtype=np.float32))
+                rows = self.engine.model.forward(chunk, self.state)
+                if logits == "all" or start + self.prefill_chunk >= ids.size:
+                    rows = rows if logits == "all" else rows[-1:]
+                    out.append(np.asarray(self.engine.backend.to_numpy(rows), dtype=np.float32))
             result = np.concatenate(out, axis=0)
             self.last_logits = result[-1].copy()
             self.tokens.extend(ids.tolist())
@@ -309,7 +315,7 @@ class Session:
         stops = set(stop_ids) if stop_ids is not None else ({tok.eos_id} if tok.eos_id is not None else set())
         sampler = self.engine.sampler(sampling or SamplingParams())
         if len(prompt):
-            self.feed(prompt)
+            self.feed(prompt, logits="last")
         if self.last_logits is None:
             raise Ds4Error("nothing to continue from: give a prompt")
         decoder = tok.incremental_decoder()

@@ -92,7 +92,7 @@ def _timed(session: Session, prompt: list[int], emit: Any, max_tokens: int, para
            stops: tuple[str, ...]) -> None:
     """Stream a generation, then report prompt and generation speed on stderr; Ctrl+C ends the reply only."""
     t0 = time.perf_counter()
-    session.feed(prompt)
+    session.feed(prompt, logits="last")
     t1 = time.perf_counter()
     n = 0
     try:

@@ -26,6 +26,26 @@ def test_feed_returns_one_row_per_token_and_advances(engine):
     assert s.tokens == [5, 6, 7] and s.remaining == engine.ctx - 3
 
 
+def test_feed_with_last_logits_returns_the_last_row_of_a_chunked_feed(engine):
+    ids = np.random.default_rng(3).integers(1, engine.model.vocab_size, 23)
+    full, last = engine.new_session(), engine.new_session()
+    full.prefill_chunk = last.prefill_chunk = 8  # three chunks, the last one short
+    every = full.feed(ids)
+    only = last.feed(ids, logits="last")
+    assert only.shape == (1, engine.model.vocab_size) and only.dtype == np.float32
+    np.testing.assert_array_equal(only[0], every[-1])
+    np.testing.assert_array_equal(last.last_logits, full.last_logits)
+    assert last.tokens == full.tokens and last.state.n_tokens == 23
+    np.testing.assert_array_equal(last.feed([5]), full.feed([5]))  # the states are the same
+
+
+def test_feed_refuses_an_unknown_logits_choice_and_changes_nothing(engine):
+    s = engine.new_session()
+    with pytest.raises(Ds4Error, match="'all' or 'last'"):
+        s.feed([1, 2], logits="first")
+    assert s.tokens == [] and s.state.n_tokens == 0 and s.last_logits is None
+
+
 def test_snapshot_restore_reproduces_logits_exactly(engine):
     s = engine.new_session()
     s.feed([3, 4, 5, 6])
@@ -35,7 +55,6 @@ def test_snapshot_restore_reproduces_logits_exactly(engine):
     np.testing.assert_array_equal(s.feed([9, 10]), first)
     s.restore(snap)  # a snapshot stays reusable
     np.testing.assert_array_equal(s.feed([9, 10]), first)
-
 
 
 def test_restore_copies_into_the_sessions_own_arrays(engine):

@@ -57,11 +57,11 @@ def measure(path: Path, backend: str = "cuda", prompt_tokens: int = 512, decode_
         weights = _used_device_bytes(backend) - before if before is not None else None
         ids = np.random.default_rng(seed).integers(0, engine.tokenizer.vocab_size, prompt_tokens + 1)
         warm = engine.new_session()  # compile and load the kernels of both paths (a whole prefill chunk) first
-        warm.feed(ids[:min(warm.prefill_chunk, prompt_tokens)])
+        warm.feed(ids[:min(warm.prefill_chunk, prompt_tokens)], logits="last")
         warm.feed(ids[:1])
         session = engine.new_session()
         start = time.perf_counter()
-        session.feed(ids[:prompt_tokens])
+        session.feed(ids[:prompt_tokens], logits="last")
         prefill = time.perf_counter() - start
         snap = session.snapshot()
         graphs = getattr(engine.model, "decode_graphs", None)

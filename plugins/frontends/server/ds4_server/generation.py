@@ -208,7 +208,7 @@ class SlotPool:
         for start in range(cached, len(prompt), PREFILL_STEP):
             if cancel.is_set():
                 break
-            session.feed(prompt[start:start + PREFILL_STEP])
+            session.feed(prompt[start:start + PREFILL_STEP], logits="last")
         if not cancel.is_set():
             slot.prompt_snapshot = session.snapshot()
         return cached
