@@ -267,9 +267,11 @@ class Session:
             for start in range(0, ids.size, self.prefill_chunk):
                 chunk = ids[start:start + self.prefill_chunk].astype(np.int32)
                 rows = self.engine.model.forward(chunk, self.state)
-                if logits == "all" or start + self.prefill_chunk >= ids.size:
-                    rows = rows if logits == "all" else rows[-1:]
-                    out.append(np.asarray(self.engine.backend.to_numpy(rows), dtype=np.float32))
+                if logits == "last":  # only the last chunk's last row crosses to the host
+                    if start + self.prefill_chunk < ids.size:
+                        continue
+                    rows = rows[-1:]
+                out.append(np.asarray(self.engine.backend.to_numpy(rows), dtype=np.float32))
             result = np.concatenate(out, axis=0)
             self.last_logits = result[-1].copy()
             self.tokens.extend(ids.tolist())

@@ -16,7 +16,7 @@ from ds4_core.errors import BackendError
 from .modules import glue_module
 from .ops import linear, rms_norm, values, weighted_rows
 
-#: Most streams ``kernels/hc.cu`` takes (its per-thread matrix is HC_MAX × HC_MAX).
+#: Most streams ``kernels/hc.cu`` takes (a token's n × n matrix fills at most two registers per lane of a warp).
 HC_MAX = 8
 
 F32 = cp.float32

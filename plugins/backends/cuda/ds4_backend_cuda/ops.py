@@ -371,8 +371,6 @@ def contract_mix(p: Any, b: Any) -> Any:
     return _contract("mix_rows", p, b, b.shape[-2], b.shape[-1])
 
 
-
-
 #: Heads that one block of ``attend_mix`` serves (ATTEND_HEADS in kernels/attention.cu).
 _ATTEND_HEADS = 8
 
