@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 from families import FAMILIES, Family
+from loss_plot import loss_axes, save
 
 SEQ_LEN = 512
 BATCH = 32
@@ -211,16 +212,7 @@ def train(family: Family, data: Path, out: Path, steps: int | None, minutes: flo
 
 def plot(family: Family, log: dict, vocab_size: int, path: Path) -> None:
     """Training loss per step (and its moving average) with the periodic held-out loss."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    loss = np.asarray(log["train_loss"])
-    smooth = np.convolve(loss, np.ones(25) / 25, mode="valid")
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    ax.plot(loss, color="tab:blue", alpha=0.25, lw=0.8, label="training loss (per step)")
-    ax.plot(np.arange(24, 24 + smooth.size), smooth, color="tab:blue", label="training loss (25-step mean)")
+    fig, ax = loss_axes(log["train_loss"], 25, "training loss")
     windows = log.get("eval_windows", EVAL_WINDOWS)
     held = np.asarray(log["heldout_loss"])
     ax.plot(held[:, 0], held[:, 1], "o-", color="tab:orange", ms=3, label=f"held-out loss ({windows} windows)")
@@ -231,13 +223,9 @@ def plot(family: Family, log: dict, vocab_size: int, path: Path) -> None:
         held_mtp = np.asarray(log["heldout_mtp_loss"])
         ax.plot(held_mtp[:, 0], held_mtp[:, 1], "s-", color="tab:red", ms=3, label="MTP held-out loss")
     ax.axhline(math.log(vocab_size), color="gray", ls="--", lw=0.8, label=f"uniform baseline ln({vocab_size})")
-    ax.set_xlabel(f"step (batch {log['batch']} x {log['seq_len']} tokens)")
-    ax.set_ylabel("cross-entropy (nats/token)")
-    ax.set_title(f"tiny {family.title} on the Python standard library")
-    ax.set_ylim(0, 9)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
+    save(fig, ax, xlabel=f"step (batch {log['batch']} x {log['seq_len']} tokens)",
+         ylabel="cross-entropy (nats/token)", title=f"tiny {family.title} on the Python standard library", top=9,
+         path=path)
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from loss_plot import loss_axes, save
 
 if TYPE_CHECKING:
     import torch
@@ -282,29 +283,16 @@ def drafter_losses(gguf_path: Path, windows: np.ndarray) -> tuple[float, float]:
 
 def plot(log: dict, uniform: float, path: Path) -> None:
     """Training MTP loss per step (and its moving average) with the periodic held-out MTP loss."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    loss = np.asarray(log["train_loss"])
-    smooth = np.convolve(loss, np.ones(10) / 10, mode="valid")
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    ax.plot(loss, color="tab:blue", alpha=0.25, lw=0.8, label="training MTP loss (per step)")
-    ax.plot(np.arange(9, 9 + smooth.size), smooth, color="tab:blue", label="training MTP loss (10-step mean)")
+    fig, ax = loss_axes(log["train_loss"], 10, "training MTP loss")
     held = np.asarray(log["heldout_mtp_loss"])
     ax.plot(held[:, 0], held[:, 1], "o-", color="tab:orange", ms=3,
             label=f"held-out MTP loss ({log['heldout_windows']} windows)")
     ax.axhline(log["heldout_trunk_loss_ds4"], color="tab:green", ls=":", lw=1,
                label="frozen trunk's next-token loss (same windows)")
     ax.axhline(uniform, color="gray", ls="--", lw=0.8, label=f"uniform baseline {uniform:.3f}")
-    ax.set_xlabel(f"step (batch {log['batch']} x {log['seq_len'] - 1} rows)")
-    ax.set_ylabel("cross-entropy of the token after next (nats)")
-    ax.set_title("tiny DeepSeek V4: MTP block on the frozen trunk (CPU)")
-    ax.set_ylim(0, 10)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
+    save(fig, ax, xlabel=f"step (batch {log['batch']} x {log['seq_len'] - 1} rows)",
+         ylabel="cross-entropy of the token after next (nats)",
+         title="tiny DeepSeek V4: MTP block on the frozen trunk (CPU)", top=10, path=path)
 
 
 def main() -> None:
