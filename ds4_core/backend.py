@@ -33,6 +33,10 @@ class Weight:
     data: Any
 
 
+#: Prompt tokens per forward pass unless a backend asks for more (:attr:`Backend.prefill_chunk`).
+DEFAULT_PREFILL_CHUNK = 512
+
+
 class Backend:
     """Base class of backends; subclasses set ``name``, ``xp`` and implement ``upload``.
 
@@ -42,6 +46,8 @@ class Backend:
 
     name: str = "?"
     xp: ModuleType = np
+    #: Prompt tokens a session feeds per forward pass (a backend whose prefill gains from more raises it).
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
 
     def upload(self, name: str, qtype: str, shape: tuple[int, ...], raw: np.ndarray) -> Weight:
         """Make a :class:`Weight` from raw GGUF bytes (uint8, the tensor's exact blocks)."""

@@ -29,9 +29,6 @@ from .sampling import Sampler, SamplingParams
 from .stops import StopScanner
 from .tokenizer import Tokenizer
 
-#: Tokens fed per prefill step; bounds scratch memory on every backend.
-DEFAULT_PREFILL_CHUNK = 512
-
 
 @attrs.frozen
 class BackendChoice:
@@ -225,7 +222,7 @@ class Session:
         self.tokens: list[int] = []
         self.state = engine.model.new_state(engine.ctx)
         self.last_logits: np.ndarray | None = None
-        self.prefill_chunk = DEFAULT_PREFILL_CHUNK
+        self.prefill_chunk = engine.backend.prefill_chunk
         #: Why the state cannot be trusted (a fault inside a one-chunk feed), or None; cleared by :meth:`restore`.
         self._broken: str | None = None
 

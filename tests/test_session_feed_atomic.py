@@ -20,7 +20,8 @@ import pytest
 from ds4_model_qwen38.model import NGRAM_TABLE
 from ds4_model_qwen38.ngram import ngram_row_ids
 
-from ds4_core.engine import DEFAULT_PREFILL_CHUNK, Engine, Session
+from ds4_core.backend import DEFAULT_PREFILL_CHUNK
+from ds4_core.engine import Engine, Session
 from ds4_core.errors import Ds4Error, GGUFFormatError
 from ds4_core.model import copy_state
 

@@ -7,9 +7,13 @@ integers times an f16 scale, bf16 (8 bits, float32's range) where it is exact: B
 a power of two, whose exponents can leave fp16's range). F32 matrices stay float32 (sgemm, read in place).
 
 Routed experts (:func:`prefill_moe`): the (token, slot) pairs are sorted by expert on the device and the
-per-expert counts read once; experts, largest first, are taken in groups that fit the scratch budget, each group
-dequantized once and multiplied with all its tokens by one strided-batched GEMM (tokens padded to the group's
-largest count), then SwiGLU, down, and a weighted write of each pair's row, summed per token in a fixed order.
+per-expert counts read once. When gate and up share a format, one kernel per matrix kind (``moe_mma16``) takes a
+tile of up to 64 of an expert's tokens, dequantizes 64 rows of the expert's matrix into shared memory a slice at
+a time and multiplies them on tensor cores: the quantized weights are read once per token tile and no 16-bit copy
+is written. Gate and up go together with SwiGLU applied on the way out; the down kernel writes each pair's row
+times its routing weight; rows are summed per token in a fixed order. Otherwise (gate and up in different
+formats) experts, largest first, go in groups that fit a scratch budget, each group dequantized to 16 bits once
+and multiplied with all its tokens by one strided-batched cuBLAS GEMM.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ _GEMM_DEFAULT = -1
 _POINTER_MODE_DEVICE = 1
 _OUT_TYPE = {"f16": "Half", "bf16": "BHalf"}
 _THREADS = 256
+_MMA_TILE = 64  # rows and tokens of a moe_mma16 tile, and its column step (MMA_BM, MMA_BN, MMA_BK in prefill.cu)
 _TILE_ALIGN = 128  # tile rows rounded down to a multiple of this (cuBLAS tile shapes)
 
 _amax = cp.ReductionKernel("float32 x", "float32 y", "fabsf(x)", "fmaxf(a, b)", "y = a", "0", "ds4_amax")
@@ -68,7 +73,8 @@ def half_of(qtype: str) -> str:
 def _module(qtype: str) -> Any:
     """quant.cu + prefill.cu with the 16-bit dequantizer of ``qtype`` and the shared prefill kernels."""
     names = [f"dequant16<{qtype}, {o}>" for o in _OUT_TYPE.values()]
-    names += [f"{k}<{o}>" for k in ("to16", "swiglu16") for o in _OUT_TYPE.values()]
+    names += [f"moe_mma16<{qtype}, {o}, {nw}>" for o in _OUT_TYPE.values() for nw in (1, 2)]
+    names += [f"{k}<{o}>" for k in ("to16", "swiglu16", "rows_to16") for o in _OUT_TYPE.values()]
     module = cp.RawModule(code=source("quant.cu") + "\n" + source("prefill.cu"), options=("--std=c++17",),
                           name_expressions=names)
     if qtype == "IQ2_XXS":
@@ -94,7 +100,10 @@ def warm(qtypes: tuple[str, ...]) -> None:
     for qtype in qtypes:
         for o in _OUT_TYPE.values():
             _kernel(qtype, f"dequant16<{qtype}, {o}>")
-    for name in ("gather16", "scatter_pairs", *(f"{k}<{o}>" for k in ("to16", "swiglu16") for o in _OUT_TYPE.values())):
+            for nw in (1, 2):
+                _kernel(qtype, f"moe_mma16<{qtype}, {o}, {nw}>")
+    for name in ("gather16", "scatter_pairs",
+                 *(f"{k}<{o}>" for k in ("to16", "swiglu16", "rows_to16") for o in _OUT_TYPE.values())):
         _shared(name)
 
 
@@ -241,7 +250,9 @@ def _moe_pass(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, idx
     active = np.argsort(-counts, kind="stable")
     active = active[counts[active] > 0]
     ypairs = cp.zeros((T * k, D), dtype=F32)
-    if active.size:
+    if active.size and _fused(gate_exps, up_exps, down_exps):
+        _moe_fused(x, gate_exps, up_exps, down_exps, pairs, counts, starts, active, k, weights, swiglu_limit, ypairs)
+    elif active.size:
         gu_half = half_of(gate_exps.qtype) if half_of(gate_exps.qtype) == half_of(up_exps.qtype) else "bf16"
         down_half = half_of(down_exps.qtype)
         x16, alpha_beta = to16(x, gu_half)
@@ -264,6 +275,38 @@ def _moe_pass(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, idx
                           seg_cnt[a:b], m_pad, pairs, k, weights, swiglu_limit, gu_half, down_half,
                           (w_gu, w_down, xp, gu, h, hs, y), ypairs)
     return ypairs.reshape(T, k, D).sum(axis=1)
+
+
+def _fused(gate_exps: Weight, up_exps: Weight, down_exps: Weight) -> bool:
+    """Whether :func:`_moe_fused` takes these experts: gate and up in one format, rows in whole 64-value slices."""
+    _, inter, D = gate_exps.shape
+    return gate_exps.qtype == up_exps.qtype and D % _MMA_TILE == 0 and inter % _MMA_TILE == 0
+
+
+def _moe_fused(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, pairs: Any, counts: np.ndarray,
+               starts: np.ndarray, active: np.ndarray, k: int, weights: Any, limit: float, ypairs: Any) -> None:
+    """The routed experts by ``moe_mma16`` tiles of up to 64 tokens of one expert (see the module docstring)."""
+    _, inter, D = gate_exps.shape
+    gu_half, down_half = half_of(gate_exps.qtype), half_of(down_exps.qtype)
+    tiles = np.array([(e, starts[e] + t0, min(_MMA_TILE, counts[e] - t0))
+                      for e in active for t0 in range(0, int(counts[e]), _MMA_TILE)], dtype=np.int32)
+    tiles = cp.asarray(tiles)
+    rows = int(counts.sum())  # pairs with an expert; sorted first, so rows 0 .. rows - 1 of the sorted order
+    x16, alpha_beta = to16(x, gu_half)
+    h = cp.empty((rows, inter), dtype=F32)
+    none = np.uint64(0)
+    _kernel(gate_exps.qtype, f"moe_mma16<{gate_exps.qtype}, {_OUT_TYPE[gu_half]}, 2>")(
+        (inter // _MMA_TILE, tiles.shape[0]), (128,),
+        (gate_exps.data, up_exps.data, _i64(inter * gate_exps.data.shape[-1]), _i64(gate_exps.data.shape[-1]),
+         _i32(inter), _i32(D), tiles, x16, pairs, _i32(k), _i32(1), alpha_beta, F32(limit), none, none, h,
+         _i32(inter)))
+    h16, hs = cp.empty((rows, inter), dtype=cp.uint16), cp.empty(rows, dtype=F32)
+    _shared(f"rows_to16<{_OUT_TYPE[down_half]}>")((rows,), (_THREADS,), (h, _i32(inter), h16, hs))
+    one = cp.ones(1, dtype=F32)
+    _kernel(down_exps.qtype, f"moe_mma16<{down_exps.qtype}, {_OUT_TYPE[down_half]}, 1>")(
+        (D // _MMA_TILE, tiles.shape[0]), (128,),
+        (down_exps.data, none, _i64(D * down_exps.data.shape[-1]), _i64(down_exps.data.shape[-1]), _i32(D),
+         _i32(inter), tiles, h16, pairs, _i32(k), _i32(0), one, F32(0), hs, weights, ypairs, _i32(D)))
 
 
 def _expert_group(x16: Any, alpha_beta: Any, one_zero: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight,

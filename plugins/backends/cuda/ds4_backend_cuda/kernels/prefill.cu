@@ -5,6 +5,10 @@
 
 struct Half {  // IEEE fp16, round to nearest even
     static __device__ __forceinline__ u32 from(float v) { return __half_as_ushort(__float2half_rn(v)); }
+    static __device__ __forceinline__ u32 from2(float lo, float hi) {  // one conversion for both
+        __half2 h = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<u32*>(&h);
+    }
 };
 
 struct BHalf {  // bfloat16, round to nearest even; a NaN stays a (quiet) NaN
@@ -13,12 +17,12 @@ struct BHalf {  // bfloat16, round to nearest even; a NaN stays a (quiet) NaN
         if ((b & 0x7FFFFFFFu) > 0x7F800000u) return (b >> 16) | 0x40u;
         return (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
     }
+    static __device__ __forceinline__ u32 from2(float lo, float hi) { return from(lo) | (from(hi) << 16); }
 };
 
 template <class O>
 __device__ __forceinline__ uint4 pack8(const float* v) {
-    return make_uint4(O::from(v[0]) | (O::from(v[1]) << 16), O::from(v[2]) | (O::from(v[3]) << 16),
-                      O::from(v[4]) | (O::from(v[5]) << 16), O::from(v[6]) | (O::from(v[7]) << 16));
+    return make_uint4(O::from2(v[0], v[1]), O::from2(v[2], v[3]), O::from2(v[4], v[5]), O::from2(v[6], v[7]));
 }
 
 // out[j, r, :] = row r (< nrows) of matrix e = experts[j] (experts null: e = j) of w as O, j = blockIdx.y.
@@ -132,4 +136,152 @@ extern "C" __global__ void scatter_pairs(const float* __restrict__ y, int D, con
         float4 v = src[c];
         dst[c] = make_float4(v.x * scale, v.y * scale, v.z * scale, v.w * scale);
     }
+}
+
+// Routed experts without 16-bit weight copies: each block dequantizes MMA_BM rows of one expert's matrix into
+// shared memory, MMA_BK columns at a time, and multiplies them on tensor cores with up to MMA_BN tokens of that
+// expert (mma.sync m16n8k16, fp32 accumulation; inline PTX, so no header beyond NVRTC's own), so quantized weights
+// are read once per token tile and never written back.
+
+#define MMA_BM 64
+#define MMA_BN 64
+#define MMA_BK 64
+#define MMA_LD (MMA_BK + 8)   // shared row stride in 16-bit values: 144 bytes keeps ldmatrix conflict-free
+#define MMA_CLD (MMA_BM + 4)  // accumulator tile row stride in floats (token-major)
+
+// Four 8x8 16-bit matrices from shared memory; lane l gives the address of row l % 8 of matrix l / 8.
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const u16* row) {
+    u32 addr = (u32)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// d += a (16x16, row-major) * b (16x8, column-major), fp32 accumulators; O picks fp16 or bf16 operands.
+template <class O>
+__device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1);
+
+template <>
+__device__ __forceinline__ void mma16816<Half>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <>
+__device__ __forceinline__ void mma16816<BHalf>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// One expert, one token tile: NW = 2 multiplies the gate and up matrices (w0, w1) and stores
+// h = swiglu(alpha * gate, alpha * up) as float32 at out[(first + m) * ldc + r]; NW = 1 multiplies w0 and adds
+// nothing: it writes out[p * ldc + r] = alpha * hs[first + m] * weights[p] * acc, p = pairs[first + m].
+// tiles[3 * blockIdx.y ..] = (expert, first sorted pair, token count <= MMA_BN). Token m's activations are row
+// gather ? pairs[first + m] / k : first + m of x16 [*, ncols] (16-bit bits). ncols % MMA_BK == 0 and a block of
+// the format never straddles an MMA_BK step (QK a multiple or divisor of MMA_BK). Four warps, each 32 rows x 32
+// tokens of the tile.
+template <class Q, class O, int NW>
+__global__ void __launch_bounds__(128) moe_mma16(
+        const u8* __restrict__ w0, const u8* __restrict__ w1, long long expert_bytes, long long row_bytes, int nrows,
+        int ncols, const int* __restrict__ tiles, const u16* __restrict__ x16, const int* __restrict__ pairs, int k,
+        int gather, const float* __restrict__ alpha, float limit, const float* __restrict__ hs,
+        const float* __restrict__ weights, float* __restrict__ out, int ldc) {
+    static_assert(MMA_BM == MMA_BN, "A and B tiles share one thread-to-row map");
+    constexpr int OPS = (NW + 1) * MMA_BM * MMA_LD * 2, ACC = NW * MMA_BN * MMA_CLD * 4;
+    __shared__ __align__(16) u8 smem[OPS > ACC ? OPS : ACC];
+    u16* A = reinterpret_cast<u16*>(smem);  // NW tiles [MMA_BM][MMA_LD], then B [MMA_BN][MMA_LD]
+    u16* B = A + NW * MMA_BM * MMA_LD;
+    float* C = reinterpret_cast<float*>(smem);  // after the loop: NW tiles [MMA_BN][MMA_CLD]
+    int e = tiles[3 * blockIdx.y], first = tiles[3 * blockIdx.y + 1], cnt = tiles[3 * blockIdx.y + 2];
+    int r0 = blockIdx.x * MMA_BM, tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
+    int wr = 32 * (warp >> 1), wc = 32 * (warp & 1);
+    constexpr int UNITS = MMA_BM * MMA_BK / 8 / 128;  // 8-value units per thread per tile
+    const u8* arow[NW][UNITS];
+    const u16* bsrc[UNITS];
+#pragma unroll
+    for (int i = 0; i < UNITS; i++) {
+        int unit = tid + 128 * i, row = unit / (MMA_BK / 8);
+        long long off = (long long)e * expert_bytes + (long long)min(r0 + row, nrows - 1) * row_bytes;
+        arow[0][i] = w0 + off;
+        if constexpr (NW == 2) arow[1][i] = w1 + off;
+        long long src = row < cnt ? (gather ? pairs[first + row] / k : first + row) : -1;
+        bsrc[i] = src < 0 ? nullptr : x16 + src * ncols + 8 * (unit % (MMA_BK / 8));
+    }
+    float acc[NW][2][4][4] = {};
+    // ldmatrix rows of this lane: A (16x16 at rows wr + 16i) and B (two 8-token tiles at wc + 16j).
+    int a_row = wr + (lane & 7) + 8 * ((lane >> 3) & 1), a_col = 8 * (lane >> 4);
+    int b_row = wc + (lane & 7) + 8 * (lane >> 4), b_col = 8 * ((lane >> 3) & 1);
+    for (int k0 = 0; k0 < ncols; k0 += MMA_BK) {
+#pragma unroll
+        for (int i = 0; i < UNITS; i++) {
+            int unit = tid + 128 * i, row = unit / (MMA_BK / 8), c = 8 * (unit % (MMA_BK / 8));
+            int col = k0 + c;
+#pragma unroll
+            for (int n = 0; n < NW; n++) {
+                float v[8];
+                Q::decode(arow[n][i] + (long long)(col / Q::QK) * Q::BYTES, (col % Q::QK) / 8, v);
+                *reinterpret_cast<uint4*>(A + (n * MMA_BM + row) * MMA_LD + c) = pack8<O>(v);
+            }
+            *reinterpret_cast<uint4*>(B + row * MMA_LD + c) =
+                bsrc[i] ? *reinterpret_cast<const uint4*>(bsrc[i] + k0) : make_uint4(0, 0, 0, 0);
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < MMA_BK; kk += 16) {
+            u32 b[2][4];  // b[j]: tokens wc + 16j .. +15 as two 16x8 operands (regs 0-1, 2-3)
+#pragma unroll
+            for (int j = 0; j < 2; j++) ldmatrix_x4(b[j], B + (b_row + 16 * j) * MMA_LD + kk + b_col);
+#pragma unroll
+            for (int n = 0; n < NW; n++)
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    u32 a[4];
+                    ldmatrix_x4(a, A + (n * MMA_BM + a_row + 16 * i) * MMA_LD + kk + a_col);
+#pragma unroll
+                    for (int j = 0; j < 4; j++) mma16816<O>(acc[n][i][j], a, b[j / 2][2 * (j % 2)], b[j / 2][2 * (j % 2) + 1]);
+                }
+        }
+        __syncthreads();
+    }
+    // Fragment (n, i, j): rows wr + 16i + g (+8 for regs 2-3), tokens wc + 8j + 2t (+1 for odd regs).
+    int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int n = 0; n < NW; n++)
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+                    C[(n * MMA_BN + wc + 8 * j + 2 * t + (q & 1)) * MMA_CLD + wr + 16 * i + g + 8 * (q >> 1)] =
+                        acc[n][i][j][q];
+    __syncthreads();
+    float a = *alpha;
+    for (int id = tid; id < MMA_BN * MMA_BM; id += 128) {
+        int m = id / MMA_BM, r = id % MMA_BM;
+        if (m >= cnt || r0 + r >= nrows) continue;
+        float v = a * C[m * MMA_CLD + r];
+        if constexpr (NW == 2) {
+            out[(long long)(first + m) * ldc + r0 + r] = swiglu1(v, a * C[(MMA_BN + m) * MMA_CLD + r], limit);
+        } else {
+            int p = pairs[first + m];
+            out[(long long)p * ldc + r0 + r] = v * hs[first + m] * weights[p];
+        }
+    }
+}
+
+// out[i, :] = h[i, :] times the row's power of two s as O, hs[i] = 1 / s. One block per row of R floats.
+template <class O>
+__global__ void rows_to16(const float* __restrict__ h, int R, u16* __restrict__ out, float* __restrict__ hs) {
+    __shared__ float shared[32];
+    long long row = blockIdx.x;
+    const float* src = h + row * R;
+    float amax = 0.f;
+    for (int c = threadIdx.x; c < R; c += blockDim.x) amax = fmaxf(amax, fabsf(src[c]));
+    float s = up_scale(block_max(amax, shared));
+    for (int c = threadIdx.x; c < R; c += blockDim.x) out[row * R + c] = (u16)O::from(src[c] * s);
+    if (threadIdx.x == 0) hs[row] = 1.f / s;
 }

@@ -33,6 +33,11 @@ __device__ __forceinline__ float byte_plus_2p23(u32 w, int i) {
     return __int_as_float(__byte_perm(w, 0x4B000000u, 0x7440 + i));
 }
 
+// Byte i of w as a float (exact), likewise without I2F.
+__device__ __forceinline__ float byte_float(u32 w, int i) {
+    return byte_plus_2p23(w, i) - 8388608.0f;
+}
+
 // Unsigned bytes of (w0, w1) dotted with 8 activations, each byte minus `bias` (exact: small integers).
 __device__ __forceinline__ float bytes_dot(u32 w0, u32 w1, float bias, float4 a, float4 b) {
     const float k = 8388608.0f + bias;
@@ -104,12 +109,11 @@ struct Q8_0 {
     static constexpr int QK = 32, BYTES = 34, CHUNK = 16;
     static __device__ __forceinline__ void decode(const u8* b, int part, float* v) {
         float d = half_at(b);
+        const u8* q = b + 2 + 8 * part;
+        u32 w[2] = {((u32)u16_at(q) | ((u32)u16_at(q + 2) << 16)) ^ 0x80808080u,  // int8 + 128
+                    ((u32)u16_at(q + 4) | ((u32)u16_at(q + 6) << 16)) ^ 0x80808080u};
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            u16 two = u16_at(b + 2 + 8 * part + 2 * i);
-            v[2 * i] = (float)(signed char)(two & 0xFF) * d;
-            v[2 * i + 1] = (float)(signed char)(two >> 8) * d;
-        }
+        for (int i = 0; i < 8; i++) v[i] = (byte_float(w[i / 4], i % 4) - 128.0f) * d;
     }
     static constexpr bool XSUM = false;
     static __device__ __forceinline__ float dot(const u8* b, int part, float4 xa, float4 xb, float) {
@@ -125,13 +129,12 @@ struct Q4_0 {
     static constexpr int QK = 32, BYTES = 18, CHUNK = 64;
     static __device__ __forceinline__ void decode(const u8* b, int part, float* v) {
         float d = half_at(b);
+        const u8* q = b + 2 + 8 * (part & 1);
         int shift = 4 * (part >> 1);
+        u32 w[2] = {(((u32)u16_at(q) | ((u32)u16_at(q + 2) << 16)) >> shift) & 0x0F0F0F0Fu,
+                    (((u32)u16_at(q + 4) | ((u32)u16_at(q + 6) << 16)) >> shift) & 0x0F0F0F0Fu};
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            u16 two = u16_at(b + 2 + 8 * (part & 1) + 2 * i);
-            v[2 * i] = (float)((int)((two >> shift) & 0xF) - 8) * d;
-            v[2 * i + 1] = (float)((int)((two >> (8 + shift)) & 0xF) - 8) * d;
-        }
+        for (int i = 0; i < 8; i++) v[i] = (byte_float(w[i / 4], i % 4) - 8.0f) * d;
     }
     static constexpr bool XSUM = false;
     static __device__ __forceinline__ float dot(const u8* b, int part, float4 xa, float4 xb, float) {
@@ -162,11 +165,9 @@ struct Q4_K {
         scale_min(b + 4, s, sc, m);
         float a = half_at(b) * (float)sc, o = half_at(b + 2) * (float)m;
         uint2 q = *reinterpret_cast<const uint2*>(b + 16 + 32 * g + 8 * (part & 3));
+        u32 w[2] = {(q.x >> shift) & 0x0F0F0F0Fu, (q.y >> shift) & 0x0F0F0F0Fu};
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            u32 byte = ((i < 4 ? q.x : q.y) >> (8 * (i % 4))) & 0xFF;
-            v[i] = a * (float)((byte >> shift) & 0xF) - o;
-        }
+        for (int i = 0; i < 8; i++) v[i] = a * byte_float(w[i / 4], i % 4) - o;
     }
     static constexpr bool XSUM = true;
     static __device__ __forceinline__ float dot(const u8* b, int part, float4 xa, float4 xb, float xsum) {
@@ -206,12 +207,10 @@ struct Q2_K {
         int e0 = 8 * part, h = e0 / 128, j = (e0 % 128) / 32, l0 = e0 % 32;
         u8 packed = b[part / 2];
         float a = half_at(b + 80) * (float)(packed & 0xF), o = half_at(b + 82) * (float)(packed >> 4);
-        u32 w[2] = {u32_at(b + 16 + 32 * h + l0), u32_at(b + 20 + 32 * h + l0)};
+        u32 w[2] = {(u32_at(b + 16 + 32 * h + l0) >> (2 * j)) & 0x03030303u,
+                    (u32_at(b + 20 + 32 * h + l0) >> (2 * j)) & 0x03030303u};
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            u32 byte = (w[i / 4] >> (8 * (i % 4))) & 0xFF;
-            v[i] = a * (float)((byte >> (2 * j)) & 3) - o;
-        }
+        for (int i = 0; i < 8; i++) v[i] = a * byte_float(w[i / 4], i % 4) - o;
     }
     static constexpr bool XSUM = true;
     static __device__ __forceinline__ float dot(const u8* b, int part, float4 xa, float4 xb, float xsum) {
@@ -240,8 +239,7 @@ struct IQ2_XXS {
         uint2 mags = *reinterpret_cast<const uint2*>(row);
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            u32 m = ((i < 4 ? mags.x : mags.y) >> (8 * (i % 4))) & 0xFF;
-            float value = scale * (float)m;
+            float value = scale * byte_float(i < 4 ? mags.x : mags.y, i % 4);
             v[i] = (signs >> i) & 1 ? -value : value;
         }
     }
