@@ -2,8 +2,8 @@
 
 Each weight format gets its own module (five kernels; the formats of :data:`INT8_TYPES` also get the integer
 decode kernels of ``quant_int8.cu``, compiled after ``quant.cu`` in the same module), so the formats compile in
-parallel threads and a process that needs one format compiles only that one; the recurrent-layer kernels and the
-small glue kernels of a decode step are two more modules. CuPy keys
+parallel threads and a process that needs one format compiles only that one; the recurrent-layer kernels, the
+small glue kernels of a decode step and the sampling kernels are three more modules. CuPy keys
 its on-disk kernel cache by source text and options, so an unchanged source compiles once per machine;
 :func:`warm` forces that at load time rather than at the first token.
 """
@@ -92,8 +92,8 @@ def recurrent_module() -> Any:
 #: attention and routing weights.
 GLUE_SOURCES: tuple[str, ...] = ("select.cu", "rows.cu", "hc.cu", "norm.cu", "attention.cu", "route.cu")
 GLUE_KERNELS: tuple[str, ...] = ("topk_rank", "dot_rows", "mix_rows", "hc_split", "hc_collapse", "hc_expand",
-                                 "rms_norm_rows", "rope_rows", "attend_scores", "attend_mix", "route_scores",
-                                 "route_weights")
+                                 "rms_norm_rows", "rope_rows", "attend_scores", "attend_mix", "attend_softmax",
+                                 "route_scores", "route_weights")
 
 
 @functools.cache
@@ -103,6 +103,21 @@ def glue_module() -> Any:
 
     module = cupy.RawModule(code="".join(source(name) for name in GLUE_SOURCES), options=_OPTIONS)
     for name in GLUE_KERNELS:
+        module.get_function(name)
+    return module
+
+
+#: The sampling kernels of ``sample.cu``: a row's argmax and the candidates of the sampler chain.
+SAMPLE_KERNELS: tuple[str, ...] = ("argmax_row", "chain_candidates")
+
+
+@functools.cache
+def sample_module() -> Any:
+    """The compiled ``sample.cu`` with the kernels :data:`SAMPLE_KERNELS`."""
+    import cupy
+
+    module = cupy.RawModule(code=source("sample.cu"), options=_OPTIONS)
+    for name in SAMPLE_KERNELS:
         module.get_function(name)
     return module
 
@@ -118,6 +133,7 @@ def warm() -> None:
             if qtype is None:
                 recurrent_module()
                 glue_module()
+                sample_module()
             else:
                 quant_module(qtype)
 

@@ -18,7 +18,7 @@ from ds4_core.backend import Weight
 from ds4_core.errors import BackendError
 
 from .modules import INT8_TYPES, glue_module, quant_kernel, quantize_kernel
-from .prefill import prefill_linear, prefill_moe
+from .prefill import per_token_products, prefill_linear, prefill_moe
 
 F32 = cp.float32
 #: Tokens per GEMV launch (MAX_TOKENS in quant.cu).
@@ -378,7 +378,8 @@ _ATTEND_HEADS = 8
 def sparse_attention(q: Any, kv: Any, idx: Any, sinks: Weight | None, scale: float) -> Any:
     """Multi-query attention of each query ``q [T, H, d]`` over its rows ``idx [T, K]`` of ``kv [N, d]``.
 
-    Few tokens: two launches (``kernels/attention.cu``); prefill: gathered rows and cuBLAS contractions."""
+    Few tokens: two launches (``kernels/attention.cu``); prefill: each query's rows gathered, then two batched
+    cuBLAS products around one softmax launch (TF32 under the 16-bit prefill)."""
     T, H, d = q.shape
     K = idx.shape[1]
     if 0 < T <= GEMV_TOKENS and K > 0:
@@ -392,20 +393,15 @@ def sparse_attention(q: Any, kv: Any, idx: Any, sinks: Weight | None, scale: flo
         module.get_function("attend_mix")((-(-d // 32), -(-H // _ATTEND_HEADS), T), (32 * _ATTEND_HEADS,), (
             logits, kv, idx, sink, _i32(H), _i32(K), _i32(d), out))
         return out
-    rows = kv[cp.maximum(idx, 0)]
-    logits = contract_dot(q, rows) * F32(scale)
-    logits = cp.where((idx >= 0)[:, None, :], logits, -cp.inf)
-    peak = logits.max(axis=-1, keepdims=True)
-    if sinks is not None:
-        sink = values(sinks)[None, :, None]
-        peak = cp.maximum(peak, sink)
-    else:
-        peak = cp.where(cp.isfinite(peak), peak, 0)
-    p = cp.exp(logits - peak)
-    denom = p.sum(axis=-1, keepdims=True)
-    if sinks is not None:
-        denom = denom + cp.exp(sink - peak)
-    return contract_mix(p / denom, rows).astype(F32, copy=False)
+    q = cp.ascontiguousarray(q, dtype=F32)
+    idx = cp.ascontiguousarray(idx, dtype=cp.int32)
+    rows = cp.ascontiguousarray(kv, dtype=F32)[cp.maximum(idx, 0)]  # [T, K, d]
+    p = per_token_products(q, rows, True, tensor_core_prefill())  # [T, H, K], softmax-ed in place below
+    if p.size:
+        sink = np.uint64(0) if sinks is None else cp.ascontiguousarray(values(sinks), dtype=F32)
+        glue_module().get_function("attend_softmax")((-(-T * H // 8),), (256,), (
+            p, idx, sink, _i32(H), _i32(K), _i64(T * H), F32(scale)))
+    return per_token_products(p, rows, False, tensor_core_prefill())
 
 
 def indexer_scores(q: Any, keys: Any, head_weights: Any, scale: float) -> Any:

@@ -165,6 +165,35 @@ def _gemm_nt(w16: Any, half: str, x16: Any, out: Any, m: int, n: int, k: int, ld
         cublas.setPointerMode(handle, mode)
 
 
+_COMPUTE_32F_TF32 = 77  # CUBLAS_COMPUTE_32F_FAST_TF32: float32 data, tensor cores with 10-bit mantissas
+
+
+def per_token_products(a: Any, b: Any, transpose_b: bool, tf32: bool) -> Any:
+    """Token by token on cuBLAS, reading both operands in place: ``a [T, I, J] @ b [T, J, n]`` -> ``[T, I, n]``, or
+    with ``transpose_b`` ``a [T, I, n] @ b[t].T`` for ``b [T, J, n]`` -> ``[T, I, J]``. float32 (contiguous) in and
+    out; ``tf32`` multiplies on tensor cores with TF32 inputs (the 16-bit prefill's precision class)."""
+    T, m = a.shape[:2]
+    J, n = b.shape[1], b.shape[2]
+    cols = J if transpose_b else n  # the result's last axis
+    out = cp.empty((T, m, cols), dtype=F32)
+    if out.size == 0:
+        return out
+    inner = a.shape[2]
+    one_zero = cp.asarray([1.0, 0.0], dtype=F32)
+    handle = cp.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+    mode = cublas.getPointerMode(handle)
+    cublas.setPointerMode(handle, _POINTER_MODE_DEVICE)
+    try:  # column-major: out[t].T = op(b[t].T) @ a[t].T
+        cublas.gemmStridedBatchedEx(handle, _OP_T if transpose_b else _OP_N, _OP_N, cols, m, inner,
+                                    one_zero.data.ptr, b.data.ptr, _CUDA_R_32F, n, J * n, a.data.ptr, _CUDA_R_32F,
+                                    inner, m * inner, one_zero.data.ptr + 4, out.data.ptr, _CUDA_R_32F, cols,
+                                    m * cols, T, _COMPUTE_32F_TF32 if tf32 else _COMPUTE_32F, _GEMM_DEFAULT)
+    finally:
+        cublas.setPointerMode(handle, mode)
+    return out
+
+
 def _tile_rows(nrows: int, ncols: int) -> int:
     rows = max(1, TILE_ELEMS // ncols)
     if rows >= _TILE_ALIGN:

@@ -94,3 +94,29 @@ extern "C" __global__ void __launch_bounds__(32 * ATTEND_HEADS) attend_mix(
         out[((size_t)t * H + h) * d + c] = s;
     }
 }
+
+// Prefill's softmax between its two batched products: p[t, h, j] = softmax_j(dots[t, h, j] · scale, or -inf where
+// idx[t, j] < 0) with the sink in the denominator, in place over dots [T, H, K]; the statistics as attend_mix
+// computes them. One warp per (t, h) row, rows = T * H.
+extern "C" __global__ void attend_softmax(float* __restrict__ dots, const int* __restrict__ idx,
+                                          const float* __restrict__ sinks, int H, int K, long long rows,
+                                          float scale) {
+    const long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= rows) return;  // whole warps leave together
+    const int lane = threadIdx.x & 31, h = (int)(r % H);
+    float* l = dots + r * K;
+    const int* rows_of = idx + (r / H) * K;
+    float peak = NEG_INF, sum = 0.f;
+    for (int j = lane; j < K; j += 32) {
+        float v = rows_of[j] >= 0 ? l[j] * scale : NEG_INF;
+        l[j] = v;
+        peak = fmaxf(peak, v);
+    }
+    for (int o = 16; o > 0; o >>= 1) peak = fmaxf(peak, __shfl_xor_sync(0xffffffffu, peak, o));
+    if (sinks) peak = fmaxf(peak, sinks[h]);
+    else if (peak == NEG_INF) peak = 0.f;
+    for (int j = lane; j < K; j += 32) sum += expf(l[j] - peak);
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (sinks) sum += expf(sinks[h] - peak);
+    for (int j = lane; j < K; j += 32) l[j] = expf(l[j] - peak) / sum;
+}
