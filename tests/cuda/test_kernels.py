@@ -166,6 +166,25 @@ def test_sparse_attention_and_indexer(cuda_backend, with_sinks, T, K, rng):
     np.testing.assert_allclose(got, ref.indexer_scores(q, kv, hw, 0.3), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_sparse_attention_in_token_passes(cuda_backend, with_sinks, rng, monkeypatch):
+    """Prefill attention taken ATTEND_TOKENS queries at a time equals one pass and the oracle."""
+    from ds4_backend_cuda import ops
+
+    T, K, H, d, N = 23, 37, 5, 48, 30
+    q = rng.standard_normal((T, H, d), dtype=np.float32)
+    kv = rng.standard_normal((N, d), dtype=np.float32)
+    idx = rng.integers(-1, N, (T, K)).astype(np.int32)
+    idx[7] = -1
+    sinks_ref, sinks = _pair(cuda_backend, "F32", (H,), rng) if with_sinks else (None, None)
+    xp = cuda_backend.asarray
+    whole = cuda_backend.to_numpy(ops.sparse_attention(xp(q), xp(kv), xp(idx), sinks, d ** -0.5))
+    monkeypatch.setattr(ops, "ATTEND_TOKENS", 10)  # passes of 10, 10 and 3 queries
+    got = cuda_backend.to_numpy(ops.sparse_attention(xp(q), xp(kv), xp(idx), sinks, d ** -0.5))
+    np.testing.assert_allclose(got, whole, rtol=1e-5, atol=1e-6)  # cuBLAS may pick another order per batch size
+    np.testing.assert_allclose(got, ref.sparse_attention(q, kv, idx, sinks_ref, d ** -0.5), rtol=1e-4, atol=1e-5)
+
+
 def test_moe_route(cuda_backend, rng):
     from ds4_backend_cuda import ops
 

@@ -373,6 +373,9 @@ def contract_mix(p: Any, b: Any) -> Any:
 
 #: Heads that one block of ``attend_mix`` serves (ATTEND_HEADS in kernels/attention.cu).
 _ATTEND_HEADS = 8
+#: Query tokens per pass of the prefill attention: their gathered rows ([tokens, K, d] float32) are its scratch,
+#: 0.67 GB at DeepSeek V4 Flash's K = 640 rows of 512 values.
+ATTEND_TOKENS = 512
 
 
 def sparse_attention(q: Any, kv: Any, idx: Any, sinks: Weight | None, scale: float) -> Any:
@@ -395,13 +398,18 @@ def sparse_attention(q: Any, kv: Any, idx: Any, sinks: Weight | None, scale: flo
         return out
     q = cp.ascontiguousarray(q, dtype=F32)
     idx = cp.ascontiguousarray(idx, dtype=cp.int32)
-    rows = cp.ascontiguousarray(kv, dtype=F32)[cp.maximum(idx, 0)]  # [T, K, d]
-    p = per_token_products(q, rows, True, tensor_core_prefill())  # [T, H, K], softmax-ed in place below
-    if p.size:
-        sink = np.uint64(0) if sinks is None else cp.ascontiguousarray(values(sinks), dtype=F32)
-        glue_module().get_function("attend_softmax")((-(-T * H // 8),), (256,), (
-            p, idx, sink, _i32(H), _i32(K), _i64(T * H), F32(scale)))
-    return per_token_products(p, rows, False, tensor_core_prefill())
+    kv = cp.ascontiguousarray(kv, dtype=F32)
+    sink = np.uint64(0) if sinks is None else cp.ascontiguousarray(values(sinks), dtype=F32)
+    out = cp.empty((T, H, d), dtype=F32)
+    for t0 in range(0, T, ATTEND_TOKENS):
+        t1 = min(T, t0 + ATTEND_TOKENS)
+        rows = kv[cp.maximum(idx[t0:t1], 0)]  # [t, K, d]
+        p = per_token_products(q[t0:t1], rows, True, tensor_core_prefill())  # [t, H, K], softmax-ed in place
+        if p.size:
+            glue_module().get_function("attend_softmax")((-(-(t1 - t0) * H // 8),), (256,), (
+                p, idx[t0:t1], sink, _i32(H), _i32(K), _i64((t1 - t0) * H), F32(scale)))
+        out[t0:t1] = per_token_products(p, rows, False, tensor_core_prefill())
+    return out
 
 
 def indexer_scores(q: Any, keys: Any, head_weights: Any, scale: float) -> Any:
