@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
 
 from .errors import BackendError
+
+if TYPE_CHECKING:
+    from .sampling import Sampler
 
 
 @attrs.frozen(eq=False)
@@ -63,6 +66,15 @@ class Backend:
 
     def synchronize(self) -> None:
         """Wait for queued device work (no-op on the host)."""
+
+    def sample(self, row: Any, sampler: Sampler) -> int | None:
+        """The token id ``sampler`` picks from ``row``, a float32 backend array ``[vocab]`` of logits, computed where
+        the row lives; None leaves it to the host (``sampler.sample`` on a host copy), as this base class does.
+
+        A backend that answers must return the id the host would and advance ``sampler.rng`` exactly as the host
+        would (one ``uniform()`` per draw, none for greedy), so that a seed gives the same text on every backend.
+        """
+        return None
 
     def memory_info(self) -> dict[str, int]:
         """Bytes in use / peak on the device, where known."""

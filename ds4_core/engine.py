@@ -221,20 +221,49 @@ class Session:
         self.engine = engine
         self.tokens: list[int] = []
         self.state = engine.model.new_state(engine.ctx)
-        self.last_logits: np.ndarray | None = None
+        # The last fed token's logits [vocab]: as a backend array (what sample() reads, on the device where the
+        # backend samples) and as a host copy made on first use; at least one is set once a token was fed.
+        self._last_row: Any = None
+        self._last_host: np.ndarray | None = None
         self.prefill_chunk = engine.backend.prefill_chunk
         #: Why the state cannot be trusted (a fault inside a one-chunk feed), or None; cleared by :meth:`restore`.
         self._broken: str | None = None
+
+    @property
+    def last_logits(self) -> np.ndarray | None:
+        """float32 logits ``[vocab]`` after the last fed token (None before any), copied to the host on first read:
+        a decode loop that samples with :meth:`sample` on a backend that samples never copies them."""
+        if self._last_host is None and self._last_row is not None:
+            self._last_host = np.array(self.engine.backend.to_numpy(self._last_row), dtype=np.float32)
+        return self._last_host
+
+    def _row(self) -> Any:
+        """The last logits as a backend array (uploaded once after a restore), or None before any feed."""
+        if self._last_row is None and self._last_host is not None:
+            self._last_row = self.engine.backend.asarray(self._last_host)
+        return self._last_row
+
+    def sample(self, sampler: Sampler) -> int:
+        """The next token id ``sampler`` draws from :attr:`last_logits`: on the backend where it can (the same id
+        the host would draw, with the same use of ``sampler.rng``), else on a host copy of the row."""
+        row = self._row()
+        if row is None:
+            raise Ds4Error("nothing to sample from: feed tokens first")
+        token = self.engine.backend.sample(row, sampler)
+        return sampler.sample(self.last_logits) if token is None else token
 
     @property
     def remaining(self) -> int:
         """Tokens that still fit in the context."""
         return self.engine.ctx - len(self.tokens)
 
-    def feed(self, token_ids: Sequence[int] | np.ndarray, *, logits: Literal["all", "last"] = "all") -> np.ndarray:
+    def feed(self, token_ids: Sequence[int] | np.ndarray, *,
+             logits: Literal["all", "last", "none"] = "all") -> np.ndarray:
         """Advance the state by ``token_ids``; return float32 logits ``[n, vocab]``, one row per token, or with
         ``logits="last"`` only the last row ``[1, vocab]``: a prompt fed to sample from its end needs no more, and
-        every other row would cross to the host (2048 rows of a 129K vocabulary are 1 GB).
+        every other row would cross to the host (2048 rows of a 129K vocabulary are 1 GB). ``logits="none"``
+        returns no row (``[0, vocab]``): the last row stays on the backend for :meth:`sample` (a decode step then
+        brings back a token id, not the row) and reaches the host only if :attr:`last_logits` is read.
 
         Atomic: if it raises, the session is as before the call (state, tokens, last logits). A feed longer
         than :attr:`prefill_chunk` runs in chunks, each advancing the state, so it first copies the state
@@ -245,8 +274,8 @@ class Session:
         until :meth:`restore` rather than continue from it.
         """
         self._check_usable()
-        if logits not in ("all", "last"):
-            raise Ds4Error(f"logits must be 'all' or 'last', not {logits!r}")
+        if logits not in ("all", "last", "none"):
+            raise Ds4Error(f"logits must be 'all' or 'last' (the rows to return) or 'none', not {logits!r}")
         ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             return np.zeros((0, self.engine.model.vocab_size), np.float32)
@@ -258,23 +287,23 @@ class Session:
             raise ContextError(f"{ids.size} tokens do not fit: {len(self.tokens)} of {self.engine.ctx} context "
                                f"tokens are used; start a new session or load with a larger ctx")
         saved = copy_state(self.state) if ids.size > self.prefill_chunk else None
-        n_tokens, last_logits = len(self.tokens), self.last_logits
-        out = []
+        n_tokens, last = len(self.tokens), (self._last_row, self._last_host)
+        out = [np.zeros((0, vocab), np.float32)]
         try:
             for start in range(0, ids.size, self.prefill_chunk):
                 chunk = ids[start:start + self.prefill_chunk].astype(np.int32)
                 rows = self.engine.model.forward(chunk, self.state)
-                if logits == "last":  # only the last chunk's last row crosses to the host
-                    if start + self.prefill_chunk < ids.size:
-                        continue
-                    rows = rows[-1:]
-                out.append(np.asarray(self.engine.backend.to_numpy(rows), dtype=np.float32))
+                if logits == "all" or (logits == "last" and start + self.prefill_chunk >= ids.size):
+                    host = rows if logits == "all" else rows[-1:]  # "last": only the last chunk's last row
+                    out.append(np.asarray(self.engine.backend.to_numpy(host), dtype=np.float32))
             result = np.concatenate(out, axis=0)
-            self.last_logits = result[-1].copy()
+            # a view of a longer chunk would hold all its rows (2048 x 129K floats) alive: copy that one row
+            self._last_row = rows[-1] if len(rows) == 1 else self.engine.backend.xp.array(rows[-1])
+            self._last_host = result[-1].copy() if len(result) else None
             self.tokens.extend(ids.tolist())
         except BaseException as exc:
             del self.tokens[n_tokens:]
-            self.last_logits = last_logits
+            self._last_row, self._last_host = last
             if saved is not None:
                 if not restore_state_into(self.state, saved):
                     self.state = saved
@@ -294,7 +323,8 @@ class Session:
         self.tokens = list(snap.tokens)
         if not restore_state_into(self.state, snap.state):  # in place where it can: decode graphs stay valid
             self.state = copy_state(snap.state)
-        self.last_logits = None if snap.last_logits is None else snap.last_logits.copy()
+        self._last_row = None  # uploaded when sample() needs it
+        self._last_host = None if snap.last_logits is None else snap.last_logits.copy()
         self._broken = None
 
     def _check_usable(self) -> None:
@@ -314,13 +344,13 @@ class Session:
         stops = set(stop_ids) if stop_ids is not None else ({tok.eos_id} if tok.eos_id is not None else set())
         sampler = self.engine.sampler(sampling or SamplingParams())
         if len(prompt):
-            self.feed(prompt, logits="last")
-        if self.last_logits is None:
+            self.feed(prompt, logits="none")
+        if self._row() is None:
             raise Ds4Error("nothing to continue from: give a prompt")
         decoder = tok.incremental_decoder()
         scanner = StopScanner(stop_strings)
         for _ in range(min(max_tokens, self.remaining + 1)):
-            token = sampler.sample(self.last_logits)
+            token = self.sample(sampler)
             if token in stops:
                 break
             text, hit = scanner.push(decoder.push(token))
@@ -328,7 +358,7 @@ class Session:
                 yield Generated(token, text)
             if hit is not None or self.remaining == 0:
                 return
-            self.feed([token])
+            self.feed([token], logits="none")
         text, _ = scanner.push(decoder.flush())
         if text := text + scanner.flush():
             yield Generated(-1, text)

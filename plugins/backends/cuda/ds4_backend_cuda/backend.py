@@ -13,8 +13,10 @@ from ds4_core.backend import Backend, Weight
 from ds4_core.errors import BackendError
 from ds4_core.log import get_logger
 from ds4_core.quants import tensor_nbytes
+from ds4_core.sampling import Sampler
 
 from .modules import QUANT_TYPES, warm
+from .sampling import sample_row
 
 _INTEGER_TYPES = {"I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64}
 
@@ -71,6 +73,11 @@ class CudaBackend(Backend):
 
     def synchronize(self) -> None:
         self.xp.cuda.get_current_stream().synchronize()
+
+    def sample(self, row: Any, sampler: Sampler) -> int | None:
+        """Greedy and the built-in chain on the device (:mod:`ds4_backend_cuda.sampling`), bringing back the id or
+        a few candidates instead of the row; None (the host samples) for custom stages or an unbounded chain."""
+        return sample_row(row, sampler)
 
     def _note_peak(self) -> None:
         self._peak = max(self._peak, self.xp.get_default_memory_pool().used_bytes())

@@ -1,7 +1,8 @@
 """End-to-end speed of a model file through ``Engine``: prefill, then greedy decode with and without graph replay.
 
 Unlike the synthetic benchmark this runs the whole model graph, glue included, exactly as ``ds4 run`` does: one
-``Session.feed`` per decoded token, logits back on the host, argmax there. Tokens are random ids of the model's
+``Session.feed`` per decoded token and a greedy ``Session.sample`` (on the device where the backend samples: the
+token id comes back, not the row). Tokens are random ids of the model's
 vocabulary (speed does not depend on their values, except through routing).
 """
 
@@ -13,13 +14,16 @@ from typing import Any
 
 import numpy as np
 
+from ds4_core.sampling import SamplingParams
+
 
 def _decode(session: Any, first: int, tokens: int) -> float:
     """Seconds for ``tokens`` greedy steps after feeding ``first`` (untimed: it may record the graph)."""
-    logits = session.feed([first])[-1]
+    greedy = session.engine.sampler(SamplingParams(temperature=0))
+    session.feed([first], logits="none")
     start = time.perf_counter()
     for _ in range(tokens):
-        logits = session.feed([int(np.argmax(logits))])[-1]
+        session.feed([session.sample(greedy)], logits="none")
     return time.perf_counter() - start
 
 

@@ -235,7 +235,7 @@ class SlotPool:
             if cancel.is_set():
                 reason = "cancelled"
                 break
-            token = sampler.sample(session.last_logits)
+            token = session.sample(sampler)  # on the device where the backend samples: no logit row crosses
             if token == tok.eos_id:
                 reason = "stop"
                 break
@@ -245,7 +245,7 @@ class SlotPool:
             if hit is not None:
                 reason = "stop" if hit not in req.stop else "stop_sequence"
                 break
-            session.feed([token])
+            session.feed([token], logits="none")
         if reason != "cancelled":
             text, _ = scanner.push(decoder.flush())
             push(text + scanner.flush())
