@@ -8,6 +8,7 @@ decoding state.
 
 from __future__ import annotations
 
+import inspect
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -95,6 +96,8 @@ class Engine:
         self.chat_format = chat_format
         self.ctx = ctx
         self.registry = registry
+        #: Whether the model's forward takes ``last_row`` (see :meth:`ds4_core.model.Model.forward`).
+        self.forward_takes_last_row = "last_row" in inspect.signature(model.forward).parameters
 
     @classmethod
     def load(cls, path: str | Path, *, backend: str = "auto", ctx: int | None = None, plugins: Sequence[Any] = (),
@@ -292,7 +295,10 @@ class Session:
         try:
             for start in range(0, ids.size, self.prefill_chunk):
                 chunk = ids[start:start + self.prefill_chunk].astype(np.int32)
-                rows = self.engine.model.forward(chunk, self.state)
+                if logits != "all" and self.engine.forward_takes_last_row:  # no head on unread rows
+                    rows = self.engine.model.forward(chunk, self.state, last_row=True)
+                else:
+                    rows = self.engine.model.forward(chunk, self.state)
                 if logits == "all" or (logits == "last" and start + self.prefill_chunk >= ids.size):
                     host = rows if logits == "all" else rows[-1:]  # "last": only the last chunk's last row
                     out.append(np.asarray(self.engine.backend.to_numpy(host), dtype=np.float32))

@@ -30,7 +30,12 @@ class Model(Protocol):
     def forward(self, ids: np.ndarray, state: Any) -> Any:
         """Feed ``ids`` (int32 ``[T]``) after the tokens already in ``state``; return logits ``[T, vocab]``
         as a backend array, and advance ``state`` in place. A :class:`Ds4Error` (bad input, a short read) must
-        be raised before any state is written: ``Session.feed`` relies on it to stay atomic without a copy."""
+        be raised before any state is written: ``Session.feed`` relies on it to stay atomic without a copy.
+
+        A model whose ``forward`` also takes a keyword ``last_row`` gets ``last_row=True`` when only the last
+        position's logits will be read (a prompt's chunks): it then returns ``[1, vocab]`` and may skip the output
+        head for the other positions, which on a 129K vocabulary is a large matmul and a 1 GB array per 2048 tokens.
+        """
 
     def state_nbytes(self, ctx: int) -> int:
         """Bytes of decoding state a context of ``ctx`` tokens needs."""

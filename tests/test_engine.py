@@ -33,8 +33,10 @@ def test_feed_with_last_logits_returns_the_last_row_of_a_chunked_feed(engine):
     every = full.feed(ids)
     only = last.feed(ids, logits="last")
     assert only.shape == (1, engine.model.vocab_size) and only.dtype == np.float32
-    np.testing.assert_array_equal(only[0], every[-1])
-    np.testing.assert_array_equal(last.last_logits, full.last_logits)
+    # the head ran on that one row (a [1, D] matmul, not [8, D]), so the values agree to rounding, not to the bit
+    assert engine.forward_takes_last_row
+    np.testing.assert_allclose(only[0], every[-1], rtol=1e-5, atol=1e-5 * np.abs(every[-1]).max())
+    np.testing.assert_array_equal(last.last_logits, only[0])
     assert last.tokens == full.tokens and last.state.n_tokens == 23
     np.testing.assert_array_equal(last.feed([5]), full.feed([5]))  # the states are the same
 

@@ -332,8 +332,9 @@ class DeepSeekV4Model:
     def state_nbytes(self, ctx: int) -> int:
         return state_nbytes(self.cfg, ctx)
 
-    def forward(self, ids: Any, state: DeepSeekV4State) -> Any:
-        """Feed ids ``[T]`` (T ≥ 1) after the ``state.n_tokens`` tokens fed so far; return logits ``[T, V]``."""
+    def forward(self, ids: Any, state: DeepSeekV4State, *, last_row: bool = False) -> Any:
+        """Feed ids ``[T]`` (T ≥ 1) after the ``state.n_tokens`` tokens fed so far; return logits ``[T, V]`` (with
+        ``last_row``, only the last position's ``[1, V]``: the head runs on that row alone)."""
         ops, xp = self.ops, self.ops.xp
         T, p0 = len(ids), state.n_tokens
         if T < 1:
@@ -346,7 +347,7 @@ class DeepSeekV4Model:
             logits = logits.copy()  # the recorded buffer is overwritten by the next step
         else:
             logits, self.last_stream = self._run(ops.backend.asarray(ids, dtype=xp.int32),
-                                                 xp.arange(p0, p0 + T, dtype=xp.int32), state, p0)
+                                                 xp.arange(p0, p0 + T, dtype=xp.int32), state, p0, last_row)
         state.n_tokens = p0 + T
         return logits
 
@@ -356,12 +357,14 @@ class DeepSeekV4Model:
         host decision on the position, so it can be recorded once and replayed."""
         return self._run(ids, pos, state, None)
 
-    def _run(self, ids: Any, pos: Any, state: DeepSeekV4State, p0: int | None) -> tuple[Any, Any]:
+    def _run(self, ids: Any, pos: Any, state: DeepSeekV4State, p0: int | None,
+             last_row: bool = False) -> tuple[Any, Any]:
         ops, xp, cfg = self.ops, self.ops.xp, self.cfg
         x = ops.embed(self.token_embd, ids)
         S = xp.repeat(x[:, None, :], cfg.hc_mult, axis=1)
         for block, ls in zip(self.blocks, state.layers, strict=True):
             S = block(ops, S, ids, pos, ls, p0)
-        h = ops.hc_head(S, self.output_hc_fn, self.output_hc_scale, self.output_hc_base, cfg.hc_eps, cfg.rms_norm_eps)
+        h = ops.hc_head(S[-1:] if last_row else S, self.output_hc_fn, self.output_hc_scale, self.output_hc_base,
+                        cfg.hc_eps, cfg.rms_norm_eps)
         return ops.linear(ops.rms_norm(h, self.output_norm, cfg.rms_norm_eps), self.output), S
 

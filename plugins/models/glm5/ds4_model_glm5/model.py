@@ -212,8 +212,9 @@ class GlmDsaModel:
     def state_nbytes(self, ctx: int) -> int:
         return state_nbytes(self.cfg, self.full_indexer, ctx)
 
-    def forward(self, ids: Any, state: GlmDsaState) -> Any:
-        """Feed ids ``[T]`` (T ≥ 1) after the ``state.n_tokens`` tokens fed so far; return logits ``[T, V]``."""
+    def forward(self, ids: Any, state: GlmDsaState, *, last_row: bool = False) -> Any:
+        """Feed ids ``[T]`` (T ≥ 1) after the ``state.n_tokens`` tokens fed so far; return logits ``[T, V]`` (with
+        ``last_row``, only the last position's ``[1, V]``: the head runs on that row alone)."""
         ops, xp = self.ops, self.ops.xp
         T, p0 = len(ids), state.n_tokens
         if T < 1:
@@ -227,4 +228,5 @@ class GlmDsaModel:
         for block, ls in zip(self.blocks, state.layers, strict=True):
             h, sel = block(ops, h, pos, ls, p0, sel)
         state.n_tokens = p0 + T
+        h = h[-1:] if last_row else h
         return ops.linear(ops.rms_norm(h, self.output_norm, self.cfg.rms_norm_eps), self.output)

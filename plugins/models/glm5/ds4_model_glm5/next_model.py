@@ -323,9 +323,10 @@ class Glm5NextModel:
     def state_nbytes(self, ctx: int) -> int:
         return state_nbytes(self.cfg, ctx, self.indexed)
 
-    def forward(self, ids: Any, state: Glm5NextState) -> Any:
-        """Feed ids ``[T]`` (T ≥ 1) after the ``state.n_tokens`` tokens fed so far; return logits ``[T, V]``."""
-        return self._feed(ids, state, logits=True)
+    def forward(self, ids: Any, state: Glm5NextState, *, last_row: bool = False) -> Any:
+        """Feed ids ``[T]`` (T ≥ 1) after the ``state.n_tokens`` tokens fed so far; return logits ``[T, V]`` (with
+        ``last_row``, only the last position's ``[1, V]``: the head runs on that row alone)."""
+        return self._feed(ids, state, logits=True, last_row=last_row)
 
     def hidden(self, ids: Any, state: Glm5NextState) -> Any:
         """Like :meth:`forward`, but return the trunk's final state ``[T, D]`` (the final norm of the streams' mean,
@@ -339,7 +340,7 @@ class Glm5NextModel:
         h = self._run(ids, pos, state, None)
         return self.ops.linear(h, self.output), h
 
-    def _feed(self, ids: Any, state: Glm5NextState, logits: bool) -> Any:
+    def _feed(self, ids: Any, state: Glm5NextState, logits: bool, last_row: bool = False) -> Any:
         ops, xp = self.ops, self.ops.xp
         T, p0 = len(ids), state.n_tokens
         if T < 1:
@@ -354,7 +355,7 @@ class Glm5NextModel:
             out = self._run(ops.backend.asarray(ids, dtype=xp.int32), xp.arange(p0, p0 + T, dtype=xp.int32), state,
                             p0)
             if logits:
-                out = ops.linear(out, self.output)
+                out = ops.linear(out[-1:] if last_row else out, self.output)
         state.n_tokens = p0 + T
         return out
 

@@ -125,9 +125,10 @@ class Qwen38Model:
         if self.ngram_fetcher is not None:
             self.ngram_fetcher.close()
 
-    def forward(self, ids: Any, state: Qwen38State) -> Any:
-        """Feed ids ``[T]`` (T ≥ 1) after the ``state.n_tokens`` tokens fed so far; return logits ``[T, V]``."""
-        return self._feed(ids, state, with_logits=True)[0]
+    def forward(self, ids: Any, state: Qwen38State, *, last_row: bool = False) -> Any:
+        """Feed ids ``[T]`` (T ≥ 1) after the ``state.n_tokens`` tokens fed so far; return logits ``[T, V]`` (with
+        ``last_row``, only the last position's ``[1, V]``: the head runs on that row alone)."""
+        return self._feed(ids, state, with_logits=True, last_row=last_row)[0]
 
     def head(self, H: Any) -> Any:
         """Final mixer and output head: trunk streams ``H [T, n, D]`` -> logits ``[T, V]``."""
@@ -160,8 +161,9 @@ class Qwen38Model:
             H = block(ops, H, pos, state.layers[layer], None, ngram)
         return self.head(H), H
 
-    def _feed(self, ids: Any, state: Qwen38State, with_logits: bool) -> tuple[Any, Any]:
-        """(logits ``[T, V]`` or None without ``with_logits``, final streams ``[T, n, D]``) of ``ids [T]``."""
+    def _feed(self, ids: Any, state: Qwen38State, with_logits: bool, last_row: bool = False) -> tuple[Any, Any]:
+        """(logits ``[T, V]`` (``[1, V]`` with ``last_row``) or None without ``with_logits``, final streams
+        ``[T, n, D]``) of ``ids [T]``."""
         T, p0 = len(ids), state.n_tokens
         if T < 1:
             raise ContextError("forward needs at least one token")
@@ -176,7 +178,7 @@ class Qwen38Model:
             logits, H = (logits.copy() if with_logits else None), H.copy()
         else:
             H = self._run(host_ids, state)
-            logits = self.head(H) if with_logits else None
+            logits = self.head(H[-1:] if last_row else H) if with_logits else None
         if state.ngram_history.size:
             state.ngram_history = np.concatenate([state.ngram_history, host_ids])[-state.ngram_history.size:]
         state.n_tokens = p0 + T
