@@ -212,3 +212,39 @@ def test_weights_on_the_device_are_the_files_tensor_bytes_within_2_percent(cuda_
     finally:
         engine.close()
     assert abs(on_device - in_file) <= 0.02 * in_file, (on_device, in_file)
+
+
+def test_fused_compressor_step_matches_its_composition(cuda_backend, tiny_gguf):
+    """``compress_step`` (one launch) leaves every compressor state array as the model's own composition of core
+    ops does, token after token across several windows, for CSA (overlapping, and the indexer's) and HCA."""
+    import copy
+
+    import attrs
+    from ds4_backend_cuda.plugin import kernel_refs
+    from ds4_model_deepseek4.state import CompressorState
+
+    from ds4_core.descriptors import resolve
+
+    gguf, model = _load(tiny_gguf, cuda_backend)
+    try:
+        ops = model.ops
+        assert ops.has("compress_step")
+        composed = Ops(cuda_backend, {op: resolve(ref) for op, ref in kernel_refs().items() if op != "compress_step"})
+        compressors = [(b.attn.compressor, b.attn.inv_freq) for b in model.blocks if b.attn.compressor is not None]
+        compressors += [(b.attn.indexer.compressor, b.attn.inv_freq) for b in model.blocks if b.attn.indexer]
+        assert {c.overlap for c, _ in compressors} == {False, True}
+        rng = np.random.default_rng(3)
+        for comp, inv_freq in compressors:
+            states = [CompressorState.empty(cuda_backend.xp, comp.m, comp.d, comp.overlap, 64) for _ in range(2)]
+            states[1] = copy.deepcopy(states[0])
+            for p in range(2 * comp.m + 3):
+                x = cuda_backend.asarray(rng.standard_normal((1, model.cfg.hidden_size), dtype=np.float32))
+                pos = cuda_backend.asarray(np.array([p], np.int32))
+                for o, cs in zip((ops, composed), states, strict=True):
+                    comp.step(o, x, pos, cs, inv_freq, None)
+                fused, plain = ({k: cuda_backend.to_numpy(v) for k, v in attrs.asdict(cs, recurse=False).items()
+                                 if v is not None and not isinstance(v, int)} for cs in states)
+                for name, want in plain.items():
+                    np.testing.assert_allclose(fused[name], want, rtol=1e-5, atol=1e-5, err_msg=name)
+    finally:
+        gguf.close()

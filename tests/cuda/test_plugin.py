@@ -23,9 +23,9 @@ def test_registers_backend_and_a_kernel_for_every_deepseek4_graph_op():
     backends: list[BackendSpec] = []
     plugin.register_backends(backends.append)
     assert [b.name for b in backends] == ["cuda"]
-    from ds4_model_deepseek4.opnames import GRAPH_OPS, MODEL_OPS
+    from ds4_model_deepseek4.opnames import FUSED_OPS, GRAPH_OPS, MODEL_OPS
 
-    assert set(GRAPH_OPS) | set(MODEL_OPS) <= _cuda_ops()
+    assert set(GRAPH_OPS) | set(MODEL_OPS) | set(FUSED_OPS) <= _cuda_ops()
     assert set(plugin.CORE_OPS) == set(CORE_OPS)  # the whole core vocabulary, hyper-connection and recurrent ops too
 
 

@@ -90,10 +90,11 @@ def recurrent_module() -> Any:
 
 #: The small glue kernels of a decode step: top-k, few-token contractions, hyper-connections, RMSNorm, RoPE,
 #: attention and routing weights.
-GLUE_SOURCES: tuple[str, ...] = ("select.cu", "rows.cu", "hc.cu", "norm.cu", "attention.cu", "route.cu")
+GLUE_SOURCES: tuple[str, ...] = ("select.cu", "rows.cu", "hc.cu", "norm.cu", "attention.cu", "route.cu",
+                                 "compress.cu")
 GLUE_KERNELS: tuple[str, ...] = ("topk_rank", "dot_rows", "mix_rows", "hc_split", "hc_collapse", "hc_expand",
                                  "rms_norm_rows", "rope_rows", "attend_scores", "attend_mix", "attend_softmax",
-                                 "route_scores", "route_weights")
+                                 "route_scores", "route_weights", "compress_step")
 
 
 @functools.cache

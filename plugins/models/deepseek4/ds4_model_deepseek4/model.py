@@ -92,9 +92,13 @@ class Compressor:
         window's row when this token completes it. Returns all ``ctx // m`` row slots; rows of windows not yet
         complete are stale, and callers mask them by position."""
         xp, m, d = ops.xp, self.m, self.d
+        kv_row, gate_row = ops.linear(x, self.kv), ops.linear(x, self.gate)
+        if finish is None and ops.has("compress_step"):  # a backend's single launch for what follows
+            return ops.compress_step(kv_row, gate_row, self.ape, pos, cs.buf_kv, cs.buf_gate, cs.prev_kv,
+                                     cs.prev_gate, cs.rows, self.norm, self.eps, inv_freq)
         slot = pos % m
-        cs.buf_kv[slot] = ops.linear(x, self.kv)
-        cs.buf_gate[slot] = ops.linear(x, self.gate) + self.ape[slot]
+        cs.buf_kv[slot] = kv_row
+        cs.buf_gate[slot] = gate_row + self.ape[slot]
         kv, gate = cs.buf_kv, cs.buf_gate
         if self.overlap:
             kv = xp.concatenate([cs.prev_kv, kv[:, d:]])

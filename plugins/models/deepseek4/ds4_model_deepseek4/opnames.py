@@ -3,6 +3,10 @@
 #: Ops this plugin declares; their numpy references live in :mod:`ds4_model_deepseek4.ops`.
 MODEL_OPS: tuple[str, ...] = ("fp8_kv_round", "fp4_hadamard_round")
 
+#: Ops a backend may add to run a decode step in fewer launches; the graph composes the same work from
+#: :data:`GRAPH_OPS` where they are missing, and that composition is their reference.
+FUSED_OPS: tuple[str, ...] = ("compress_step",)
+
 #: Ops of the ``qat_rounding`` option (not needed otherwise).
 QAT_OPS: tuple[str, ...] = ("fp8_kv_round", "fp4_hadamard_round")
 
