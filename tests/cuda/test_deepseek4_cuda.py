@@ -215,7 +215,7 @@ def test_weights_on_the_device_are_the_files_tensor_bytes_within_2_percent(cuda_
 
 
 def test_fused_compressor_step_matches_its_composition(cuda_backend, tiny_gguf):
-    """``compress_step`` (one launch) leaves every compressor state array as the model's own composition of core
+    """``compress_step`` (two launches) leaves every compressor state array as the model's own composition of core
     ops does, token after token across several windows, for CSA (overlapping, and the indexer's) and HCA."""
     import copy
 

@@ -64,20 +64,26 @@ def fp4_hadamard_round(x: Any, block: int = 32) -> Any:
 def compress_step(kv_row: Any, gate_row: Any, ape: Any, pos: Any, buf_kv: Any, buf_gate: Any, prev_kv: Any,
                   prev_gate: Any, rows: Any, norm: Weight, eps: float, inv_freq: Any) -> Any:
     """One token through a compressor, as ``ds4_model_deepseek4``'s ``Compressor.step`` composes it from core ops,
-    in one launch (``kernels/compress.cu``): ``kv_row``/``gate_row [1, width]`` (the token's projections) go to
+    in two launches (``kernels/compress.cu``): ``kv_row``/``gate_row [1, width]`` (the token's projections) go to
     slot ``pos % m`` of ``buf_kv``/``buf_gate [m, width]`` (gate plus ``ape [m, width]``), the window is pooled,
     normalised with ``norm``, RoPE'd and stored in ``rows [R, d]`` when the token completes it; ``prev_kv``/
     ``prev_gate [m, d]`` (None without overlap) then take its first halves. Writes the state arrays in place and
-    returns ``rows``; ``pos`` is an int32 device array ``[1]``, so the launch is the same at every position."""
+    returns ``rows``; ``pos`` is an int32 device array ``[1]``, so the launches are the same at every position."""
     m, d = buf_kv.shape[0], rows.shape[1]
     overlap = prev_kv is not None
     none = np.uint64(0)
-    glue_module().get_function("compress_step")((1,), (256,), (
-        cp.ascontiguousarray(kv_row, dtype=F32), cp.ascontiguousarray(gate_row, dtype=F32), ape,
-        cp.ascontiguousarray(pos, dtype=cp.int32), np.int32(m), np.int32(d), np.int32(overlap), buf_kv, buf_gate,
-        prev_kv if overlap else none, prev_gate if overlap else none, rows, np.int32(rows.shape[0]),
-        cp.ascontiguousarray(values(norm), dtype=F32), F32(eps), cp.ascontiguousarray(inv_freq, dtype=F32),
-        np.int32(inv_freq.shape[0])), shared_mem=4 * d)
+    pos = cp.ascontiguousarray(pos, dtype=cp.int32)
+    pooled = cp.empty(d, dtype=F32)
+    module = glue_module()
+    module.get_function("compress_pool")((-(-d // 128),), (128,), (
+        cp.ascontiguousarray(kv_row, dtype=F32), cp.ascontiguousarray(gate_row, dtype=F32), ape, pos, np.int32(m),
+        np.int32(d), np.int32(overlap), buf_kv, buf_gate, prev_kv if overlap else none,
+        prev_gate if overlap else none, pooled))
+    if rows.shape[0]:
+        module.get_function("compress_finish")((1,), (256,), (
+            pooled, pos, np.int32(m), np.int32(d), rows, np.int32(rows.shape[0]),
+            cp.ascontiguousarray(values(norm), dtype=F32), F32(eps), cp.ascontiguousarray(inv_freq, dtype=F32),
+            np.int32(inv_freq.shape[0])), shared_mem=4 * d)
     return rows
 
 

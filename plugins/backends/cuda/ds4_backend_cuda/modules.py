@@ -94,7 +94,8 @@ GLUE_SOURCES: tuple[str, ...] = ("select.cu", "rows.cu", "hc.cu", "norm.cu", "at
                                  "compress.cu")
 GLUE_KERNELS: tuple[str, ...] = ("topk_rank", "dot_rows", "mix_rows", "hc_split", "hc_collapse", "hc_expand",
                                  "rms_norm_rows", "rope_rows", "attend_scores", "attend_mix", "attend_softmax",
-                                 "route_scores", "route_weights", "compress_step")
+                                 "route_scores", "route_weights", "compress_pool",
+                                 "compress_finish")
 
 
 @functools.cache
