@@ -75,7 +75,7 @@ def compress_step(kv_row: Any, gate_row: Any, ape: Any, pos: Any, buf_kv: Any, b
     pos = cp.ascontiguousarray(pos, dtype=cp.int32)
     pooled = cp.empty(d, dtype=F32)
     module = glue_module()
-    module.get_function("compress_pool")((-(-d // 128),), (128,), (
+    module.get_function("compress_pool")((-(-d // 32),), (32, 8), (  # POOL_CHANNELS x POOL_GROUPS threads
         cp.ascontiguousarray(kv_row, dtype=F32), cp.ascontiguousarray(gate_row, dtype=F32), ape, pos, np.int32(m),
         np.int32(d), np.int32(overlap), buf_kv, buf_gate, prev_kv if overlap else none,
         prev_gate if overlap else none, pooled))

@@ -5,29 +5,38 @@
 // window: the softmax of the gates over the slots weights the kv values; an overlapping compressor (CSA, rows of
 // 2d) pools 2m slots, the previous window's first halves (prev_*) then this window's second halves. When the token
 // completes the window, an overlapping compressor then keeps this window's first halves as prev_*. A channel
-// touches only its own columns, so blocks split the channels. compress_finish: the pooled row is RMSNormed,
+// touches only its own columns, so blocks split the channels, and the threads of a channel split its slots.
+// compress_finish: the pooled row is RMSNormed,
 // RoPE'd at the window's first position and written to rows[window] when the token completes the window (one
 // block; dynamic shared memory: d floats).
-extern "C" __global__ void compress_pool(const float* __restrict__ kv_row, const float* __restrict__ gate_row,
-                                         const float* __restrict__ ape, const int* __restrict__ pos, int m, int d,
-                                         int overlap, float* __restrict__ buf_kv, float* __restrict__ buf_gate,
-                                         float* __restrict__ prev_kv, float* __restrict__ prev_gate,
-                                         float* __restrict__ pooled) {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= d) return;
+#define POOL_CHANNELS 32  // channels of a compress_pool block (threadIdx.x)
+#define POOL_GROUPS 8     // slot groups of a channel (threadIdx.y: slots s = y, y + 8, ...), merged in order
+
+extern "C" __global__ void __launch_bounds__(POOL_CHANNELS * POOL_GROUPS) compress_pool(
+        const float* __restrict__ kv_row, const float* __restrict__ gate_row, const float* __restrict__ ape,
+        const int* __restrict__ pos, int m, int d, int overlap, float* __restrict__ buf_kv,
+        float* __restrict__ buf_gate, float* __restrict__ prev_kv, float* __restrict__ prev_gate,
+        float* __restrict__ pooled) {
+    __shared__ float part[3][POOL_GROUPS][POOL_CHANNELS];  // each group's (peak, sum, weighted sum)
+    const float neg_inf = __int_as_float(0xff800000);
+    const int c = blockIdx.x * POOL_CHANNELS + threadIdx.x, y = threadIdx.y;
+    const bool live = c < d;  // no early return: every thread reaches the barriers
     const int width = overlap ? 2 * d : d, slot = pos[0] % m;
-    for (int k = c; k < width; k += d) {  // this channel's columns: c, and d + c when overlapping
-        buf_kv[slot * width + k] = kv_row[k];
-        buf_gate[slot * width + k] = gate_row[k] + ape[slot * width + k];
+    if (live && y == 0) {
+        for (int k = c; k < width; k += d) {  // this channel's columns: c, and d + c when overlapping
+            buf_kv[slot * width + k] = kv_row[k];
+            buf_gate[slot * width + k] = gate_row[k] + ape[slot * width + k];
+        }
     }
+    __syncthreads();
     // slot s < m of an overlapping compressor is row s of prev_* [m, d]; the others rows of buf_* [m, width] (+d)
     const int slots = overlap ? 2 * m : m, first = overlap ? m : 0, shift = overlap ? d : 0;
-    float peak = __int_as_float(0xff800000), sum = 0.f, acc = 0.f;
-    for (int s = 0; s < slots; s++) {  // one pass: the running sums are rescaled when the peak rises
+    float peak = neg_inf, sum = 0.f, acc = 0.f;
+    for (int s = y; live && s < slots; s += POOL_GROUPS) {  // one pass: rescaled when the peak rises
         const bool old = overlap && s < m;
         const float g = old ? prev_gate[s * d + c] : buf_gate[(s - first) * width + shift + c];
+        if (g == neg_inf) continue;  // weight 0 (window 0's missing first halves)
         const float v = old ? prev_kv[s * d + c] : buf_kv[(s - first) * width + shift + c];
-        if (g == __int_as_float(0xff800000)) continue;  // weight 0 (window 0's missing first halves)
         if (g > peak) {
             const float r = expf(peak - g);
             sum *= r;
@@ -38,9 +47,24 @@ extern "C" __global__ void compress_pool(const float* __restrict__ kv_row, const
         sum += e;
         acc += e * v;
     }
-    pooled[c] = acc / sum;
-    if (overlap && slot == m - 1) {
-        for (int s = 0; s < m; s++) {
+    part[0][y][threadIdx.x] = peak;
+    part[1][y][threadIdx.x] = sum;
+    part[2][y][threadIdx.x] = acc;
+    __syncthreads();
+    if (live && y == 0) {
+        float top = neg_inf, total = 0.f, weighted = 0.f;
+        for (int i = 0; i < POOL_GROUPS; i++) top = fmaxf(top, part[0][i][threadIdx.x]);
+        for (int i = 0; i < POOL_GROUPS; i++) {
+            const float p = part[0][i][threadIdx.x];
+            if (p == neg_inf) continue;  // a group that saw no slot with weight
+            const float r = expf(p - top);
+            total += part[1][i][threadIdx.x] * r;
+            weighted += part[2][i][threadIdx.x] * r;
+        }
+        pooled[c] = weighted / total;
+    }
+    if (overlap && slot == m - 1 && live) {  // the pooling's reads of prev_* are behind the barrier above
+        for (int s = y; s < m; s += POOL_GROUPS) {
             prev_kv[s * d + c] = buf_kv[s * width + c];
             prev_gate[s * d + c] = buf_gate[s * width + c];
         }
