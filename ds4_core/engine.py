@@ -240,6 +240,12 @@ class Session:
             self._last_host = np.array(self.engine.backend.to_numpy(self._last_row), dtype=np.float32)
         return self._last_host
 
+    @property
+    def has_logits(self) -> bool:
+        """Whether a token was fed since the session began or was restored to logits (what :meth:`sample` needs),
+        without copying the row to the host."""
+        return self._last_row is not None or self._last_host is not None
+
     def _row(self) -> Any:
         """The last logits as a backend array (uploaded once after a restore), or None before any feed."""
         if self._last_row is None and self._last_host is not None:

@@ -38,8 +38,22 @@ def test_sample_on_the_numpy_backend_is_the_host_sampler(engine, params):
 
 
 def test_sample_before_any_feed_says_what_to_do(engine):
+    session = engine.new_session()
+    assert not session.has_logits
     with pytest.raises(Ds4Error, match="feed tokens first"):
-        engine.new_session().sample(engine.sampler(SamplingParams()))
+        session.sample(engine.sampler(SamplingParams()))
+
+
+def test_has_logits_follows_feeds_and_restores_without_a_host_copy(engine):
+    session = engine.new_session()
+    empty = session.snapshot()
+    session.feed([3, 4], logits="none")
+    assert session.has_logits and session._last_host is None  # known without bringing the row over
+    fed = session.snapshot()
+    session.restore(empty)
+    assert not session.has_logits
+    session.restore(fed)
+    assert session.has_logits
 
 
 def test_feed_without_rows_keeps_the_same_last_logits(engine):

@@ -200,7 +200,7 @@ class SlotPool:
             session.restore(slot.prompt_snapshot)
         elif source == "live" and cached != len(session.tokens):
             session.restore(slot.empty)
-        if cached == len(prompt) and session.last_logits is None:
+        if cached == len(prompt) and not session.has_logits:
             cached = 0  # nothing to sample from: rebuild
             session.restore(slot.empty)
         self.tracer.write("cache", slot=slot.index, source=source if cached else "none", cached=cached,
