@@ -91,30 +91,42 @@ class Compressor:
         """One token ``x [1, D]`` at the device position ``pos [1]``: buffer it in slot ``pos mod m`` and emit the
         window's row when this token completes it. Returns all ``ctx // m`` row slots; rows of windows not yet
         complete are stale, and callers mask them by position."""
-        xp, m, d = ops.xp, self.m, self.d
-        kv_row, gate_row = ops.linear(x, self.kv), ops.linear(x, self.gate)
-        if finish is None and ops.has("compress_step"):  # a backend's single launch for what follows
-            return ops.compress_step(kv_row, gate_row, self.ape, pos, cs.buf_kv, cs.buf_gate, cs.prev_kv,
-                                     cs.prev_gate, cs.rows, self.norm, self.eps, inv_freq)
-        slot = pos % m
-        cs.buf_kv[slot] = kv_row
-        cs.buf_gate[slot] = gate_row + self.ape[slot]
-        kv, gate = cs.buf_kv, cs.buf_gate
-        if self.overlap:
-            kv = xp.concatenate([cs.prev_kv, kv[:, d:]])
-            gate = xp.concatenate([cs.prev_gate, gate[:, d:]])
-        complete = slot == m - 1
-        if cs.rows.shape[0]:  # pooled every step (no host branch); stored only when the window is complete
-            row = ops.rms_norm(ops.softmax_pool(kv[None], gate[None]), self.norm, self.eps)
-            window = xp.minimum(pos // m, cs.rows.shape[0] - 1)
-            row = ops.rope(row, window * m, inv_freq)
-            if finish is not None:
-                row = finish(row)
-            cs.rows[window] = xp.where(complete[:, None], row, cs.rows[window])
-        if self.overlap:
-            xp.copyto(cs.prev_kv, cs.buf_kv[:, :d], where=complete[:, None])
-            xp.copyto(cs.prev_gate, cs.buf_gate[:, :d], where=complete[:, None])
-        return cs.rows
+        args = (ops.linear(x, self.kv), ops.linear(x, self.gate), self.ape, pos, cs.buf_kv, cs.buf_gate, cs.prev_kv,
+                cs.prev_gate, cs.rows, self.norm, self.eps, inv_freq)
+        if finish is None and ops.has("compress_step"):  # a backend's own launches for the whole step
+            return ops.compress_step(*args)
+        return compose_compress_step(ops, *args, finish)
+
+
+def compose_compress_step(ops: Ops, kv_row: Any, gate_row: Any, ape: Any, pos: Any, buf_kv: Any, buf_gate: Any,
+                          prev_kv: Any, prev_gate: Any, rows: Any, norm: Any, eps: float, inv_freq: Any,
+                          finish: RowHook | None = None) -> Any:
+    """One token through a compressor from core ops, the definition of the op ``compress_step``: the token's
+    projections ``kv_row``/``gate_row [1, width]`` go to slot ``pos mod m`` of ``buf_kv``/``buf_gate [m, width]``
+    (the gate plus ``ape [m, width]``); the window is pooled (with ``prev_kv``/``prev_gate [m, d]``, the last
+    window's first halves, when they are not None: CSA), normalised with ``norm``, RoPE'd at the window's first
+    position (``finish`` post-processes it) and stored in ``rows [R, d]`` when the token completes the window; an
+    overlapping compressor then keeps this window's first halves. Writes the arrays in place, returns ``rows``."""
+    xp, m, d = ops.xp, buf_kv.shape[0], rows.shape[1]
+    slot = pos % m
+    buf_kv[slot] = kv_row
+    buf_gate[slot] = gate_row + ape[slot]
+    kv, gate = buf_kv, buf_gate
+    if prev_kv is not None:
+        kv = xp.concatenate([prev_kv, kv[:, d:]])
+        gate = xp.concatenate([prev_gate, gate[:, d:]])
+    complete = slot == m - 1
+    if rows.shape[0]:  # pooled every step (no host branch); stored only when the window is complete
+        row = ops.rms_norm(ops.softmax_pool(kv[None], gate[None]), norm, eps)
+        window = xp.minimum(pos // m, rows.shape[0] - 1)
+        row = ops.rope(row, window * m, inv_freq)
+        if finish is not None:
+            row = finish(row)
+        rows[window] = xp.where(complete[:, None], row, rows[window])
+    if prev_kv is not None:
+        xp.copyto(prev_kv, buf_kv[:, :d], where=complete[:, None])
+        xp.copyto(prev_gate, buf_gate[:, :d], where=complete[:, None])
+    return rows
 
 
 class Indexer:

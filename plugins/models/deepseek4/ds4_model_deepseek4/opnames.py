@@ -1,11 +1,11 @@
 """Op names of the DeepSeek V4 graph (data only, so ``plugin.py`` can import it without numpy)."""
 
-#: Ops this plugin declares; their numpy references live in :mod:`ds4_model_deepseek4.ops`.
-MODEL_OPS: tuple[str, ...] = ("fp8_kv_round", "fp4_hadamard_round")
-
 #: Ops a backend may add to run a decode step in fewer launches; the graph composes the same work from
 #: :data:`GRAPH_OPS` where they are missing, and that composition is their reference.
 FUSED_OPS: tuple[str, ...] = ("compress_step",)
+
+#: Ops this plugin declares; their numpy references live in :mod:`ds4_model_deepseek4.ops`.
+MODEL_OPS: tuple[str, ...] = ("fp8_kv_round", "fp4_hadamard_round", *FUSED_OPS)
 
 #: Ops of the ``qat_rounding`` option (not needed otherwise).
 QAT_OPS: tuple[str, ...] = ("fp8_kv_round", "fp4_hadamard_round")
