@@ -44,18 +44,6 @@ def test_sample_before_any_feed_says_what_to_do(engine):
         session.sample(engine.sampler(SamplingParams()))
 
 
-def test_has_logits_follows_feeds_and_restores_without_a_host_copy(engine):
-    session = engine.new_session()
-    empty = session.snapshot()
-    session.feed([3, 4], logits="none")
-    assert session.has_logits and session._last_host is None  # known without bringing the row over
-    fed = session.snapshot()
-    session.restore(empty)
-    assert not session.has_logits
-    session.restore(fed)
-    assert session.has_logits
-
-
 def test_feed_without_rows_keeps_the_same_last_logits(engine):
     ids = np.random.default_rng(5).integers(1, engine.model.vocab_size, 21)
     rows, none = engine.new_session(), engine.new_session()
@@ -115,3 +103,20 @@ def test_generate_leaves_the_rows_with_a_backend_that_samples(engine):
         engine.backend = engine.ops.backend
     assert got == want and len(got) > 1
     assert sampling.to_host == 0
+
+
+def test_has_logits_follows_feeds_and_restores_without_a_host_copy(engine):
+    counting = _SamplingBackend()
+    engine.backend = counting
+    try:
+        session = engine.new_session()
+        empty = session.snapshot()
+        session.feed([3, 4], logits="none")
+        assert session.has_logits and counting.to_host == 0  # known without bringing the row over
+        fed = session.snapshot()
+        session.restore(empty)
+        assert not session.has_logits
+        session.restore(fed)
+        assert session.has_logits
+    finally:
+        engine.backend = engine.ops.backend
