@@ -55,6 +55,17 @@ def test_linear_matches_reference(cuda_backend, qtype, tokens, rng):
     assert np.all(np.abs(got - want) <= _bound(x, w_ref.data))
 
 
+@pytest.mark.parametrize("ncols", [96, 160])  # rows of 102 and 170 bytes: every 2-byte alignment within 16 bytes
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_q8_0_rows_at_any_alignment(cuda_backend, ncols, tokens, rng):
+    from ds4_backend_cuda import ops
+
+    w_ref, w = _pair(cuda_backend, "Q8_0", (37, ncols), rng)
+    x = rng.standard_normal((tokens, ncols), dtype=np.float32)
+    got = cuda_backend.to_numpy(ops.linear(cuda_backend.asarray(x), w))
+    assert np.all(np.abs(got - ref.linear(x, w_ref)) <= _bound(x, w_ref.data))
+
+
 def test_linear_keeps_leading_axes_and_odd_float_widths(cuda_backend, rng):
     from ds4_backend_cuda import ops
 
@@ -198,8 +209,10 @@ def test_moe_route(cuda_backend, rng):
         np.testing.assert_allclose(cuda_backend.to_numpy(w), want_w, rtol=1e-5)
 
 
-@pytest.mark.parametrize("n", [4, 6])  # 6: the Sinkhorn matrix spans two registers per lane
-def test_hc_and_deepseek4_ops(cuda_backend, n, rng):
+# n = 6: the Sinkhorn matrix spans two registers per lane. n · D a multiple of 1024 takes the fused mix (one
+# column slice for (4, 256), eight for (4, 2048)); the others the unfused one.
+@pytest.mark.parametrize("n, D", [(4, 64), (6, 64), (4, 256), (4, 2048)])
+def test_hc_and_deepseek4_ops(cuda_backend, n, D, rng):
     from ds4_backend_cuda import deepseek4_ops as cu
     from ds4_backend_cuda import hc_ops as hc
     from ds4_model_deepseek4 import ops as dref
@@ -207,7 +220,7 @@ def test_hc_and_deepseek4_ops(cuda_backend, n, rng):
     from ds4_core import ops_hc
 
     xp, host = cuda_backend.asarray, cuda_backend.to_numpy
-    T, D = 3, 64
+    T = 3
     S = rng.standard_normal((T, n, D), dtype=np.float32)
     fn_ref, fn = _pair(cuda_backend, "F16", ((2 + n) * n, n * D), rng)
     sc_ref, sc = _pair(cuda_backend, "F32", (3,), rng)

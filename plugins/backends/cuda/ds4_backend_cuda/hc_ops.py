@@ -13,11 +13,13 @@ import numpy as np
 from ds4_core.backend import Weight
 from ds4_core.errors import BackendError
 
-from .modules import glue_module
-from .ops import linear, rms_norm, values, weighted_rows
+from .modules import glue_module, quant_kernel
+from .ops import GEMV_TOKENS, linear, rms_norm, values, weighted_rows
 
 #: Most streams ``kernels/hc.cu`` takes (a token's n × n matrix fills at most two registers per lane of a warp).
 HC_MAX = 8
+#: Columns per block of ``mix_slices`` (kernels/quant.cu), the mix of a few tokens with its norm folded in.
+MIX_SLICE = 1024
 
 F32 = cp.float32
 
@@ -43,12 +45,23 @@ def hc_pre(S: Any, fn: Weight, scale: Weight, base: Weight, iters: int, eps: flo
     The gates and the Sinkhorn iterations of each token are one warp of ``kernels/hc.cu`` (n ≤ 8)."""
     T, n = S.shape[:2]
     _check_streams(n)
-    mix = cp.ascontiguousarray(_hc_mix(S, fn, norm_eps), dtype=F32)
+    S = cp.ascontiguousarray(S, dtype=F32)
+    K, M = S[0].size, (2 + n) * n
     pre, post, comb = cp.empty((T, n), F32), cp.empty((T, n), F32), cp.empty((T, n, n), F32)
-    if T:
-        glue_module().get_function("hc_split")((-(-T // 4),), (128,), (  # a warp per token
-            mix, cp.ascontiguousarray(values(scale), dtype=F32), cp.ascontiguousarray(values(base), dtype=F32),
-            np.int32(T), np.int32(n), np.int32(iters), F32(eps), pre, post, comb))
+    if T == 0:
+        return cp.empty((0, S.shape[2]), F32), post, comb
+    if T <= GEMV_TOKENS and K % MIX_SLICE == 0:  # decode: hc_split finishes the mix from the slices
+        slices, mix = K // MIX_SLICE, cp.empty((T, M), F32)
+        part = cp.empty((T, slices, M + 1), F32)
+        quant_kernel("mix_slices", fn.qtype)((slices, T), (256,), (
+            fn.data, np.int64(fn.data.shape[1]), np.int32(M), np.int32(K), S, part))
+    else:
+        slices, mix = 0, cp.ascontiguousarray(_hc_mix(S, fn, norm_eps), dtype=F32)
+        part = mix
+    glue_module().get_function("hc_split")((-(-T // 4),), (128,), (  # a warp per token
+        mix, part, np.int32(slices), np.int32(K), F32(norm_eps), cp.ascontiguousarray(values(scale), dtype=F32),
+        cp.ascontiguousarray(values(base), dtype=F32), np.int32(T), np.int32(n), np.int32(iters), F32(eps), pre,
+        post, comb))
     return weighted_rows(pre, S), post, comb
 
 

@@ -1,6 +1,6 @@
 """Compilation of the ``.cu`` sources through ``cupy.RawModule`` (NVRTC), once per process.
 
-Each weight format gets its own module (five kernels; the formats of :data:`INT8_TYPES` also get the integer
+Each weight format gets its own module (six kernels; the formats of :data:`INT8_TYPES` also get the integer
 decode kernels of ``quant_int8.cu``, compiled after ``quant.cu`` in the same module), so the formats compile in
 parallel threads and a process that needs one format compiles only that one; the recurrent-layer kernels, the
 small glue kernels of a decode step and the sampling kernels are three more modules. CuPy keys
@@ -21,7 +21,8 @@ import numpy as np
 QUANT_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q2_K", "IQ2_XXS", "MXFP4")
 #: Kernel names of :func:`quant_kernel` -> template instantiation in quant.cu (``Q`` is the format struct).
 QUANT_KERNELS: dict[str, str] = {"gemv1": "gemv<Q, 1>", "gemv8": "gemv<Q, 8>", "moe_gemv": "moe_gemv<Q>",
-                                 "moe_gate_up": "moe_gate_up<Q>", "dequant_rows": "dequant_rows<Q>"}
+                                 "moe_gate_up": "moe_gate_up<Q>", "dequant_rows": "dequant_rows<Q>",
+                                 "mix_slices": "mix_slices<Q>"}
 #: Formats with integer decode kernels (int8 activations, ``__dp4a``) and those kernels' instantiations.
 INT8_TYPES: tuple[str, ...] = ("Q8_0", "Q2_K", "IQ2_XXS")
 INT8_KERNELS: dict[str, str] = {"gemv1_i8": "gemv_i8<Q>", "moe_gemv_i8": "moe_gemv_i8<Q>",

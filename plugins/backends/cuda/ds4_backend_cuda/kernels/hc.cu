@@ -79,13 +79,30 @@ __device__ void hc_split_warp(const float* __restrict__ m, const float* __restri
 }
 
 // mix [T, (2+n)·n], scale [3], base [(2+n)·n] -> pre [T, n], post [T, n], comb [T, n, n]; n <= HC_MAX;
-// grid ceil(T / warps per block).
-extern "C" __global__ void hc_split(const float* __restrict__ mix, const float* __restrict__ scale,
-                                    const float* __restrict__ base, int T, int n, int iters, float eps,
-                                    float* __restrict__ pre, float* __restrict__ post, float* __restrict__ comb) {
+// grid ceil(T / warps per block). With slices > 0 the warp first writes its token's mix row from the column slices
+// of mix_slices (quant.cu): part [T, slices, M + 1] holds the slices' products and sums of squares over K columns.
+extern "C" __global__ void hc_split(float* __restrict__ mix, const float* __restrict__ part, int slices, int K,
+                                    float norm_eps, const float* __restrict__ scale, const float* __restrict__ base,
+                                    int T, int n, int iters, float eps, float* __restrict__ pre,
+                                    float* __restrict__ post, float* __restrict__ comb) {
     const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (t >= T) return;  // whole warps leave together
-    const float* m = mix + (size_t)t * (2 + n) * n;
+    const int M = (2 + n) * n;
+    float* m = mix + (size_t)t * M;
+    if (slices > 0) {
+        const float* p = part + (size_t)t * slices * (M + 1);
+        float ss = 0.f;
+#pragma unroll 8
+        for (int s = 0; s < slices; ++s) ss += p[s * (M + 1) + M];
+        const float root = sqrtf(ss / (float)K + norm_eps);
+        for (int r = threadIdx.x & 31; r < M; r += 32) {
+            float acc = 0.f;
+#pragma unroll 8
+            for (int s = 0; s < slices; ++s) acc += p[s * (M + 1) + r];
+            m[r] = acc / root;
+        }
+        __syncwarp();  // the row is read back by other lanes of this warp
+    }
     pre += (size_t)t * n;
     post += (size_t)t * n;
     comb += (size_t)t * n * n;
