@@ -156,6 +156,39 @@ class Indexer:
         return xp.where(xp.take_along_axis(complete, sel, axis=1), sel, -1)
 
 
+class StepIndex:
+    """The index arrays of a one-token step that every layer shares, made once per step instead of once per layer
+    (each is a few small launches): the ring slot of the new raw row, the window's positions among the attention
+    rows, and per compression ratio the complete-window limit and, for layers without an indexer, the visible rows
+    with their positions."""
+
+    def __init__(self, xp: Any, pos: Any, window: int):
+        self.xp, self.pos, self.W = xp, pos, window
+        slots = xp.arange(window, dtype=xp.int32)
+        self.slot = pos % window
+        held = pos - (pos - slots) % window  # the position ring slot s holds after this write (< 0: none yet)
+        self.window = xp.where(held >= 0, slots, -1)[None]
+        self._limits: dict[int, Any] = {}
+        self._dense: dict[tuple[int, int], tuple[Any, Any]] = {}
+
+    def limit(self, m: int) -> Any:
+        """``[1]``: compressed rows ``w < limit`` are complete (ratio ``m``)."""
+        if m not in self._limits:
+            self._limits[m] = (self.pos + 1) // m
+        return self._limits[m]
+
+    def dense(self, m: int, n_rows: int) -> tuple[Any, Any]:
+        """(row of each visible slot to gather, the window's and those rows' attention positions ``[1, W + n]``)
+        when every complete row of the ``n_rows`` slots of ratio ``m`` is visible."""
+        if (m, n_rows) not in self._dense:
+            xp = self.xp
+            w = xp.arange(n_rows)[None, :]
+            sel = xp.where(w < self.limit(m)[:, None], w, -1)
+            part = xp.where(sel >= 0, self.W + xp.arange(n_rows), -1)
+            self._dense[m, n_rows] = (xp.maximum(sel[0], 0), xp.concatenate([self.window, part], axis=1))
+        return self._dense[m, n_rows]
+
+
 class Attention:
     """Shared-K=V multi-query attention over the raw window and (CSA/HCA) compressed rows, spec §5."""
 
@@ -181,12 +214,13 @@ class Attention:
         self.kv_finish: RowHook | None = (lambda r: ops.fp8_kv_round(r, cfg.rope_dim)) if qat else None
         self.index_finish: RowHook | None = ops.fp4_hadamard_round if qat else None
 
-    def __call__(self, ops: Ops, x: Any, pos: Any, ls: LayerState, p0: int | None) -> Any:
+    def __call__(self, ops: Ops, x: Any, pos: Any, ls: LayerState, p0: int | None,
+                 index: StepIndex | None = None) -> Any:
         """``x [T, D]`` (normalised collapsed stream) at positions ``pos [T]`` -> ``[T, D]``; advances ``ls``.
 
-        ``p0 = None``: one token whose position is only on the device (:meth:`step`)."""
+        ``p0 = None``: one token whose position is only on the device (:meth:`step`, with the step's ``index``)."""
         if p0 is None:
-            return self.step(ops, x, pos, ls)
+            return self.step(ops, x, pos, ls, index or StepIndex(ops.xp, pos, self.cfg.sliding_window))
         cfg, xp, T = self.cfg, ops.xp, x.shape[0]
         W = cfg.sliding_window
         qr, q, kv = self._project(ops, x, pos)
@@ -212,32 +246,28 @@ class Attention:
                 sel = xp.where(w < limit[:, None], w, -1)
             keys.append(rows)
             parts.append(xp.where(sel >= 0, sel + n_prev + T, -1))
-        return self._attend(ops, q, keys, parts, pos)
+        return self._attend(ops, q, xp.concatenate(keys), xp.concatenate(parts, axis=1), pos)
 
-    def step(self, ops: Ops, x: Any, pos: Any, ls: LayerState) -> Any:
+    def step(self, ops: Ops, x: Any, pos: Any, ls: LayerState, index: StepIndex) -> Any:
         """One token ``x [1, D]`` at the device position ``pos [1]`` -> ``[1, D]``; advances ``ls``.
 
         Shapes depend only on the context: the query reads every ring slot that holds a position in its window
         and (CSA/HCA) the selected compressed rows, with the complete-window mask computed from ``pos``."""
-        cfg, xp = self.cfg, ops.xp
-        W = cfg.sliding_window
+        xp = ops.xp
         qr, q, kv = self._project(ops, x, pos)
-        ls.raw[pos % W] = kv
-        slots = xp.arange(W, dtype=xp.int32)
-        held = pos - (pos - slots) % W  # the position ring slot s holds after this write (< 0: none yet)
-        keys, parts = [ls.raw], [xp.where(held >= 0, slots, -1)[None]]
-        if self.compressor is not None:
-            rows = self.compressor.step(ops, x, pos, ls.compressor, self.inv_freq, self.kv_finish)
-            limit = (pos + 1) // self.m
-            if self.indexer is not None:
-                index_rows = self.indexer.compressor.step(ops, x, pos, ls.indexer, self.inv_freq, self.index_finish)
-                sel = self.indexer.select(ops, x, qr, pos, index_rows, limit, self.inv_freq, self.index_finish)
-            else:
-                w = xp.arange(rows.shape[0])[None, :]
-                sel = xp.where(w < limit[:, None], w, -1)
-            keys.append(rows[xp.maximum(sel[0], 0)])
-            parts.append(xp.where(sel >= 0, W + xp.arange(sel.shape[1]), -1))
-        return self._attend(ops, q, keys, parts, pos)
+        ls.raw[index.slot] = kv
+        if self.compressor is None:
+            return self._attend(ops, q, ls.raw, index.window, pos)
+        rows = self.compressor.step(ops, x, pos, ls.compressor, self.inv_freq, self.kv_finish)
+        if self.indexer is None:
+            gather, parts = index.dense(self.m, rows.shape[0])
+        else:
+            index_rows = self.indexer.compressor.step(ops, x, pos, ls.indexer, self.inv_freq, self.index_finish)
+            sel = self.indexer.select(ops, x, qr, pos, index_rows, index.limit(self.m), self.inv_freq,
+                                      self.index_finish)
+            gather = xp.maximum(sel[0], 0)
+            parts = xp.concatenate([index.window, xp.where(sel >= 0, index.W + xp.arange(sel.shape[1]), -1)], axis=1)
+        return self._attend(ops, q, xp.concatenate([ls.raw, rows[gather]]), parts, pos)
 
     def _project(self, ops: Ops, x: Any, pos: Any) -> tuple[Any, Any, Any]:
         """(normalised query latent ``[T, q_lora]``, RoPE'd queries ``[T, H, hd]``, the K=V rows ``[T, hd]``)."""
@@ -250,12 +280,11 @@ class Attention:
             kv = self.kv_finish(kv)
         return qr, q, kv
 
-    def _attend(self, ops: Ops, q: Any, keys: list[Any], parts: list[Any], pos: Any) -> Any:
-        """Sparse attention of ``q [T, H, hd]`` over the concatenated ``keys`` at the ``parts`` indices, then the
-        inverse RoPE and the grouped output projection -> ``[T, D]``."""
-        cfg, xp, T = self.cfg, ops.xp, q.shape[0]
-        o = ops.sparse_attention(q, xp.concatenate(keys), xp.concatenate(parts, axis=1), self.attn_sinks,
-                                 cfg.head_dim ** -0.5)
+    def _attend(self, ops: Ops, q: Any, keys: Any, idx: Any, pos: Any) -> Any:
+        """Sparse attention of ``q [T, H, hd]`` over the rows ``keys [N, hd]`` at the indices ``idx [T, K]``, then
+        the inverse RoPE and the grouped output projection -> ``[T, D]``."""
+        cfg, T = self.cfg, q.shape[0]
+        o = ops.sparse_attention(q, keys, idx, self.attn_sinks, cfg.head_dim ** -0.5)
         o = ops.rope(o, pos, self.inv_freq, inverse=True)
         low = ops.grouped_linear(o.reshape(T, cfg.o_groups, -1), self.attn_output_a)
         return ops.linear(low.reshape(T, -1), self.attn_output_b)
@@ -306,12 +335,15 @@ class Block:
         self.attn = Attention(w, ops, layer, cfg, qat)
         self.ffn = MoE(w, ops, layer, cfg)
 
-    def __call__(self, ops: Ops, S: Any, ids: Any, pos: Any, ls: LayerState, p0: int | None) -> Any:
-        """Streams ``S [T, n, D]`` -> ``[T, n, D]`` (``p0 = None``: one token at the device position ``pos``)."""
+    def __call__(self, ops: Ops, S: Any, ids: Any, pos: Any, ls: LayerState, p0: int | None,
+                 index: StepIndex | None = None) -> Any:
+        """Streams ``S [T, n, D]`` -> ``[T, n, D]`` (``p0 = None``: one token at the device position ``pos``, with
+        the step's shared ``index``)."""
         cfg = self.cfg
         hc = (cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
         c, post, comb = ops.hc_pre(S, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, *hc)
-        S = ops.hc_post(S, self.attn(ops, ops.rms_norm(c, self.attn_norm, cfg.rms_norm_eps), pos, ls, p0), post, comb)
+        y = self.attn(ops, ops.rms_norm(c, self.attn_norm, cfg.rms_norm_eps), pos, ls, p0, index)
+        S = ops.hc_post(S, y, post, comb)
         c, post, comb = ops.hc_pre(S, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, *hc)
         return ops.hc_post(S, self.ffn(ops, ops.rms_norm(c, self.ffn_norm, cfg.rms_norm_eps), ids), post, comb)
 
@@ -378,8 +410,9 @@ class DeepSeekV4Model:
         ops, xp, cfg = self.ops, self.ops.xp, self.cfg
         x = ops.embed(self.token_embd, ids)
         S = xp.repeat(x[:, None, :], cfg.hc_mult, axis=1)
+        index = StepIndex(xp, pos, cfg.sliding_window) if p0 is None else None
         for block, ls in zip(self.blocks, state.layers, strict=True):
-            S = block(ops, S, ids, pos, ls, p0)
+            S = block(ops, S, ids, pos, ls, p0, index)
         h = ops.hc_head(S[-1:] if last_row else S, self.output_hc_fn, self.output_hc_scale, self.output_hc_base,
                         cfg.hc_eps, cfg.rms_norm_eps)
         return ops.linear(ops.rms_norm(h, self.output_norm, cfg.rms_norm_eps), self.output), S
