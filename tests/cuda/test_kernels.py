@@ -210,7 +210,7 @@ def test_moe_route(cuda_backend, rng):
 
 
 # n = 6: the Sinkhorn matrix spans two registers per lane. n · D a multiple of 1024 takes the fused mix (one
-# column slice for (4, 256), eight for (4, 2048)); the others the unfused one.
+# four column slices for (4, 256), 32 for (4, 2048)); the others the unfused one.
 @pytest.mark.parametrize("n, D", [(4, 64), (6, 64), (4, 256), (4, 2048)])
 def test_hc_and_deepseek4_ops(cuda_backend, n, D, rng):
     from ds4_backend_cuda import deepseek4_ops as cu

@@ -19,7 +19,7 @@ from .ops import GEMV_TOKENS, linear, rms_norm, values, weighted_rows
 #: Most streams ``kernels/hc.cu`` takes (a token's n × n matrix fills at most two registers per lane of a warp).
 HC_MAX = 8
 #: Columns per block of ``mix_slices`` (kernels/quant.cu), the mix of a few tokens with its norm folded in.
-MIX_SLICE = 1024
+MIX_SLICE = 256
 
 F32 = cp.float32
 
@@ -50,9 +50,9 @@ def hc_pre(S: Any, fn: Weight, scale: Weight, base: Weight, iters: int, eps: flo
     pre, post, comb = cp.empty((T, n), F32), cp.empty((T, n), F32), cp.empty((T, n, n), F32)
     if T == 0:
         return cp.empty((0, S.shape[2]), F32), post, comb
-    if T <= GEMV_TOKENS and K % MIX_SLICE == 0:  # decode: hc_split finishes the mix from the slices
+    if T <= GEMV_TOKENS and K % (4 * MIX_SLICE) == 0:  # decode: hc_split finishes the mix from the slices
         slices, mix = K // MIX_SLICE, cp.empty((T, M), F32)
-        part = cp.empty((T, slices, M + 1), F32)
+        part = cp.empty((T, M + 1, slices), F32)
         quant_kernel("mix_slices", fn.qtype)((slices, T), (256,), (
             fn.data, np.int64(fn.data.shape[1]), np.int32(M), np.int32(K), S, part))
     else:

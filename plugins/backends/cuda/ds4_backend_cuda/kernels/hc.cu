@@ -80,7 +80,7 @@ __device__ void hc_split_warp(const float* __restrict__ m, const float* __restri
 
 // mix [T, (2+n)·n], scale [3], base [(2+n)·n] -> pre [T, n], post [T, n], comb [T, n, n]; n <= HC_MAX;
 // grid ceil(T / warps per block). With slices > 0 the warp first writes its token's mix row from the column slices
-// of mix_slices (quant.cu): part [T, slices, M + 1] holds the slices' products and sums of squares over K columns.
+// of mix_slices (quant.cu): part [T, M + 1, slices] holds the slices' products and sums of squares over K columns.
 extern "C" __global__ void hc_split(float* __restrict__ mix, const float* __restrict__ part, int slices, int K,
                                     float norm_eps, const float* __restrict__ scale, const float* __restrict__ base,
                                     int T, int n, int iters, float eps, float* __restrict__ pre,
@@ -89,18 +89,19 @@ extern "C" __global__ void hc_split(float* __restrict__ mix, const float* __rest
     if (t >= T) return;  // whole warps leave together
     const int M = (2 + n) * n;
     float* m = mix + (size_t)t * M;
-    if (slices > 0) {
-        const float* p = part + (size_t)t * slices * (M + 1);
-        float ss = 0.f;
-#pragma unroll 8
-        for (int s = 0; s < slices; ++s) ss += p[s * (M + 1) + M];
-        const float root = sqrtf(ss / (float)K + norm_eps);
-        for (int r = threadIdx.x & 31; r < M; r += 32) {
+    if (slices > 0) {  // a multiple of 4: each lane reads its sums as float4s, in slice order
+        const float4* p = reinterpret_cast<const float4*>(part + (size_t)t * (M + 1) * slices);
+        const int q = slices / 4;
+        auto total = [&](int r) {
             float acc = 0.f;
-#pragma unroll 8
-            for (int s = 0; s < slices; ++s) acc += p[s * (M + 1) + r];
-            m[r] = acc / root;
-        }
+            for (int i = 0; i < q; ++i) {
+                const float4 v = p[r * q + i];
+                acc = acc + v.x + v.y + v.z + v.w;
+            }
+            return acc;
+        };
+        const float root = sqrtf(total(M) / (float)K + norm_eps);
+        for (int r = threadIdx.x & 31; r < M; r += 32) m[r] = total(r) / root;
         __syncwarp();  // the row is read back by other lanes of this warp
     }
     pre += (size_t)t * n;

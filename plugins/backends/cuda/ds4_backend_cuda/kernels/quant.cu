@@ -498,52 +498,37 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS / 2) moe_gate_up(
     }
 }
 
-// The hyper-connection mix of a few tokens, before its norm: block (s, t) takes the 1024 columns from 1024 s of
-// token t's flattened streams x [T, K] and writes part[t, s, r] = fn[r] . x over them for r < M, and part[t, s, M] =
-// the sum of x^2 over them. hc_split sums the slices in order and divides by the RMS of x: with the norm folded into
-// the product, the mix is one launch spread over K / 1024 blocks instead of a one-block norm and a GEMV of M rows.
+// The hyper-connection mix of a few tokens, before its norm: block (s, t) takes the 256 columns from 256 s of token
+// t's flattened streams x [T, K] and writes part[t, r, s] = fn[r] . x over them for r < M, and part[t, M, s] = the
+// sum of x^2 over them. hc_split sums the slices in order and divides by the RMS of x: with the norm folded into the
+// product, the mix is one launch spread over K / 256 blocks instead of a one-block norm and a GEMV of M rows.
 template <class Q>
 __global__ void __launch_bounds__(256) mix_slices(const u8* __restrict__ fn, long long row_bytes, int M, int K,
                                                   const float* __restrict__ x, float* __restrict__ part) {
-    constexpr int WARPS = 8, UNITS = 4, AHEAD = 2;  // a lane's 8-column units; rows a warp loads before summing
-    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-    float4 xa[UNITS], xb[UNITS];
-    float ss = 0.f;
-#pragma unroll
-    for (int j = 0; j < UNITS; j++) {
-        const float4* xv = reinterpret_cast<const float4*>(x + (long long)blockIdx.y * K + 1024 * blockIdx.x +
-                                                           256 * j + 8 * lane);
-        xa[j] = xv[0];
-        xb[j] = xv[1];
-        ss += xa[j].x * xa[j].x + xa[j].y * xa[j].y + xa[j].z * xa[j].z + xa[j].w * xa[j].w + xb[j].x * xb[j].x +
-              xb[j].y * xb[j].y + xb[j].z * xb[j].z + xb[j].w * xb[j].w;
-    }
-    float* out = part + ((long long)blockIdx.y * gridDim.x + blockIdx.x) * (M + 1);
+    constexpr int WARPS = 8, AHEAD = 4;  // rows a warp loads before it sums them
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, c = 256 * blockIdx.x + 8 * lane;
+    const float4* xv = reinterpret_cast<const float4*>(x + (long long)blockIdx.y * K + c);
+    const float4 xa = xv[0], xb = xv[1];
+    float* out = part + (long long)blockIdx.y * (M + 1) * gridDim.x + blockIdx.x;
     for (int r0 = warp; r0 < M; r0 += WARPS * AHEAD) {
         float d[AHEAD];
 #pragma unroll
         for (int i = 0; i < AHEAD; i++) {
             const int r = r0 + WARPS * i;
-            d[i] = 0.f;
-#pragma unroll
-            for (int j = 0; j < UNITS; j++) {
-                const int c = 1024 * blockIdx.x + 256 * j + 8 * lane;
-                float v[8];
-                if (r < M) {
-                    Q::decode(fn + r * row_bytes + (long long)(c / Q::QK) * Q::BYTES, (c % Q::QK) / 8, v);
-                    d[i] += dot8(v, xa[j], xb[j]);
-                }
-            }
+            float v[8];
+            if (r < M) Q::decode(fn + r * row_bytes + (long long)(c / Q::QK) * Q::BYTES, (c % Q::QK) / 8, v);
+            d[i] = r < M ? dot8(v, xa, xb) : 0.f;
         }
 #pragma unroll
         for (int i = 0; i < AHEAD; i++) {
             const float sum = warp_sum(d[i]);
-            if (lane == 0 && r0 + WARPS * i < M) out[r0 + WARPS * i] = sum;
+            if (lane == 0 && r0 + WARPS * i < M) out[(long long)(r0 + WARPS * i) * gridDim.x] = sum;
         }
     }
     if (warp == 0) {
-        ss = warp_sum(ss);
-        if (lane == 0) out[M] = ss;
+        const float ss = warp_sum(xa.x * xa.x + xa.y * xa.y + xa.z * xa.z + xa.w * xa.w + xb.x * xb.x +
+                                  xb.y * xb.y + xb.z * xb.z + xb.w * xb.w);
+        if (lane == 0) out[(long long)M * gridDim.x] = ss;
     }
 }
 
