@@ -7,6 +7,23 @@
 
 #define NEG_INF __int_as_float(0xff800000)  // NVRTC has no math.h, so no INFINITY
 
+// Softmax statistics of a row l [K] in one warp, given each lane's maximum over its elements: the peak (the row's
+// maximum or the sink if larger; 0 for a fully masked row without a sink, so exp gives 0 and no NaN) and the sum of
+// exp(l - peak) with the sink's term. Every lane returns both.
+__device__ __forceinline__ void warp_softmax_stats(const float* __restrict__ l, int K, const float* __restrict__ sinks,
+                                                   int h, float peak, float& peak_out, float& sum_out) {
+    const int lane = threadIdx.x & 31;
+    for (int o = 16; o > 0; o >>= 1) peak = fmaxf(peak, __shfl_xor_sync(0xffffffffu, peak, o));
+    if (sinks) peak = fmaxf(peak, sinks[h]);
+    else if (peak == NEG_INF) peak = 0.f;
+    float sum = 0.f;
+    for (int j = lane; j < K; j += 32) sum += expf(l[j] - peak);
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (sinks) sum += expf(sinks[h] - peak);
+    peak_out = peak;
+    sum_out = sum;
+}
+
 // logits[t, h, j] = (q[t, h] . kv[idx[t, j]]) · scale, or -inf where idx < 0; one warp per (t, h, j),
 // grid (ceil(K / warps per block), H, T).
 extern "C" __global__ void attend_scores(const float* __restrict__ q, const float* __restrict__ kv,
@@ -49,12 +66,7 @@ extern "C" __global__ void __launch_bounds__(32 * ATTEND_HEADS) attend_mix(
         if (h < H) {
             const float* l = logits + ((size_t)t * H + h) * K;
             for (int j = lane; j < K; j += 32) peak = fmaxf(peak, l[j]);
-            for (int o = 16; o > 0; o >>= 1) peak = fmaxf(peak, __shfl_xor_sync(0xffffffffu, peak, o));
-            if (sinks) peak = fmaxf(peak, sinks[h]);
-            else if (peak == NEG_INF) peak = 0.f;
-            for (int j = lane; j < K; j += 32) sum += expf(l[j] - peak);
-            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-            if (sinks) sum += expf(sinks[h] - peak);
+            warp_softmax_stats(l, K, sinks, h, peak, peak, sum);
         }
         if (lane == 0) {
             peak_of[warp] = peak;
@@ -96,8 +108,8 @@ extern "C" __global__ void __launch_bounds__(32 * ATTEND_HEADS) attend_mix(
 }
 
 // Prefill's softmax between its two batched products: p[t, h, j] = softmax_j(dots[t, h, j] · scale, or -inf where
-// idx[t, j] < 0) with the sink in the denominator, in place over dots [T, H, K]; the statistics as attend_mix
-// computes them. One warp per (t, h) row, rows = T * H.
+// idx[t, j] < 0) with the sink in the denominator, in place over dots [T, H, K]; the statistics of attend_mix
+// (warp_softmax_stats). One warp per (t, h) row, rows = T * H.
 extern "C" __global__ void attend_softmax(float* __restrict__ dots, const int* __restrict__ idx,
                                           const float* __restrict__ sinks, int H, int K, long long rows,
                                           float scale) {
@@ -106,17 +118,12 @@ extern "C" __global__ void attend_softmax(float* __restrict__ dots, const int* _
     const int lane = threadIdx.x & 31, h = (int)(r % H);
     float* l = dots + r * K;
     const int* rows_of = idx + (r / H) * K;
-    float peak = NEG_INF, sum = 0.f;
+    float peak = NEG_INF, sum;
     for (int j = lane; j < K; j += 32) {
         float v = rows_of[j] >= 0 ? l[j] * scale : NEG_INF;
         l[j] = v;
         peak = fmaxf(peak, v);
     }
-    for (int o = 16; o > 0; o >>= 1) peak = fmaxf(peak, __shfl_xor_sync(0xffffffffu, peak, o));
-    if (sinks) peak = fmaxf(peak, sinks[h]);
-    else if (peak == NEG_INF) peak = 0.f;
-    for (int j = lane; j < K; j += 32) sum += expf(l[j] - peak);
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (sinks) sum += expf(sinks[h] - peak);
+    warp_softmax_stats(l, K, sinks, h, peak, peak, sum);
     for (int j = lane; j < K; j += 32) l[j] = expf(l[j] - peak) / sum;
 }
