@@ -2,13 +2,23 @@
 // and a decode step calls them a few dozen times, so in a recorded graph their launch gaps outweighed the work.
 
 // y[r] = x[r] / sqrt(mean(x[r]^2) + eps) [· w] for rows of width d; one block per row (blockDim.x a multiple of 32,
-// at most 1024); w may be null.
+// at most 1024); w may be null. A thread's first HELD elements are loaded at once and kept in registers for the
+// second pass (a strided loop would wait for each load in turn); wider rows loop over the rest.
+#define HELD 8
 extern "C" __global__ void rms_norm_rows(const float* __restrict__ x, const float* __restrict__ w, int d, float eps,
                                          float* __restrict__ y) {
     __shared__ float partial[32];
     const float* xr = x + (size_t)blockIdx.x * d;
+    float v[HELD];
     float ss = 0.f;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) ss = fmaf(xr[i], xr[i], ss);
+#pragma unroll
+    for (int k = 0; k < HELD; ++k) {
+        const int i = threadIdx.x + k * blockDim.x;
+        v[k] = i < d ? xr[i] : 0.f;
+    }
+#pragma unroll
+    for (int k = 0; k < HELD; ++k) ss = fmaf(v[k], v[k], ss);
+    for (int i = threadIdx.x + HELD * blockDim.x; i < d; i += blockDim.x) ss = fmaf(xr[i], xr[i], ss);
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     if (lane == 0) partial[warp] = ss;
@@ -21,7 +31,12 @@ extern "C" __global__ void rms_norm_rows(const float* __restrict__ x, const floa
     __syncthreads();
     const float root = sqrtf(partial[0] / (float)d + eps);
     float* yr = y + (size_t)blockIdx.x * d;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) yr[i] = w ? xr[i] / root * w[i] : xr[i] / root;
+#pragma unroll
+    for (int k = 0; k < HELD; ++k) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i < d) yr[i] = w ? v[k] / root * w[i] : v[k] / root;
+    }
+    for (int i = threadIdx.x + HELD * blockDim.x; i < d; i += blockDim.x) yr[i] = w ? xr[i] / root * w[i] : xr[i] / root;
 }
 
 // Rotation of the trailing 2·half channels of each row of width d, pairs (2i, 2i+1) by pos[t] · inv_freq[i]

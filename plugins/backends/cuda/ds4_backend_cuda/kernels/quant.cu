@@ -225,42 +225,51 @@ struct Q2_K {
 
 // d (f16), then 8 groups of 8 bytes: 4 grid indices and a u32 holding four 7-bit sign indices and a
 // 4-bit scale. Part = 4 * group + k is the 8 elements of grid index k; the eighth sign bit makes the minus
-// count even.
+// count even. The four parts of a group share its header (Head), which a one-token dot reads once per group.
 struct IQ2_XXS {
-    static constexpr int QK = 256, BYTES = 66, CHUNK = 4;
-    static __device__ __forceinline__ void decode(const u8* b, int part, float* v) {
-        int g = part / 4, k = part % 4;
+    static constexpr int QK = 256, BYTES = 66, CHUNK = 4, GROUP = 4;
+    struct Head {
+        float scale;
+        u32 grid, aux;  // the four grid indices; the sign indices and scale
+    };
+    static __device__ __forceinline__ Head head(const u8* b, int g) {
         const u8* p = b + 2 + 8 * g;
-        u32 aux = (u32)u16_at(p + 4) | ((u32)u16_at(p + 6) << 16);
-        float scale = half_at(b) * ((float)(aux >> 28) + 0.5f) * 0.25f;
-        const u8* row = iq2xxs_grid + 8 * p[k];
-        u32 signs = (aux >> (7 * k)) & 127;
-        signs |= (__popc(signs) & 1) << 7;
-        uint2 mags = *reinterpret_cast<const uint2*>(row);
+        const u32 aux = (u32)u16_at(p + 4) | ((u32)u16_at(p + 6) << 16);
+        return {half_at(b) * ((float)(aux >> 28) + 0.5f) * 0.25f, (u32)u16_at(p) | ((u32)u16_at(p + 2) << 16), aux};
+    }
+    static __device__ __forceinline__ u32 signs(const Head& h, int k) {
+        const u32 s = (h.aux >> (7 * k)) & 127;
+        return s | ((__popc(s) & 1) << 7);
+    }
+    static __device__ __forceinline__ uint2 magnitudes(const Head& h, int k) {
+        return *reinterpret_cast<const uint2*>(iq2xxs_grid + 8 * ((h.grid >> (8 * k)) & 255));
+    }
+    static __device__ __forceinline__ void decode(const u8* b, int part, float* v) {
+        const Head h = head(b, part / 4);
+        const u32 sg = signs(h, part % 4);
+        const uint2 mags = magnitudes(h, part % 4);
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            float value = scale * byte_float(i < 4 ? mags.x : mags.y, i % 4);
-            v[i] = (signs >> i) & 1 ? -value : value;
+            float value = h.scale * byte_float(i < 4 ? mags.x : mags.y, i % 4);
+            v[i] = (sg >> i) & 1 ? -value : value;
         }
     }
     static constexpr bool XSUM = false;
     // Signs flip the activations (sign bit xor), magnitudes go through byte_plus_2p23.
-    static __device__ __forceinline__ float dot(const u8* b, int part, float4 xa, float4 xb, float) {
-        int g = part / 4, k = part % 4;
-        const u8* p = b + 2 + 8 * g;
-        u32 aux = (u32)u16_at(p + 4) | ((u32)u16_at(p + 6) << 16);
-        float scale = half_at(b) * ((float)(aux >> 28) + 0.5f) * 0.25f;
-        u32 signs = (aux >> (7 * k)) & 127;
-        signs |= (__popc(signs) & 1) << 7;
-        uint2 mags = *reinterpret_cast<const uint2*>(iq2xxs_grid + 8 * p[k]);
+    static __device__ __forceinline__ float dot_part(const Head& h, int k, float4 xa, float4 xb) {
+        const u32 sg = signs(h, k);
+        const uint2 mags = magnitudes(h, k);
         float x[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
         float s = 0.f;
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            float xi = __int_as_float(__float_as_int(x[i]) ^ ((signs << (31 - i)) & 0x80000000u));
+            float xi = __int_as_float(__float_as_int(x[i]) ^ ((sg << (31 - i)) & 0x80000000u));
             s += (byte_plus_2p23(i < 4 ? mags.x : mags.y, i % 4) - 8388608.0f) * xi;
         }
-        return scale * s;
+        return h.scale * s;
+    }
+    static __device__ __forceinline__ float dot(const u8* b, int part, float4 xa, float4 xb, float) {
+        return dot_part(head(b, part / 4), part % 4, xa, xb);
     }
 };
 
@@ -282,6 +291,16 @@ struct MXFP4 {
         for (int i = 0; i < 8; i++) v[i] = e2m1((q[i] >> shift) & 0xF) * scale;
     }
     DOT_BY_DECODE(MXFP4)
+};
+
+// Parts that share a header in a format with Q::GROUP (read once per group by a one-token dot), else 1.
+template <class Q, class = void>
+struct Group {
+    static constexpr int N = 1;
+};
+template <class Q>
+struct Group<Q, decltype(void(Q::GROUP))> {
+    static constexpr int N = Q::GROUP;
 };
 
 __device__ __forceinline__ float warp_sum(float s) {
@@ -334,6 +353,23 @@ struct WarpDot {
 #pragma unroll
             for (int j = 0; j < R; j++) skew[j] = (int)(reinterpret_cast<u64>(row[j] + (long long)b0 * Q::BYTES) & 15);
             const u8* base = reinterpret_cast<const u8*>(stage);
+            if constexpr (NT == 1 && Group<Q>::N > 1) {  // a lane takes a group: its header is read once
+                constexpr int G = Group<Q>::N, GROUPS = PARTS / G;
+                for (int u = lane; u < nb * GROUPS; u += 32) {
+                    typename Q::Head head[R];
+#pragma unroll
+                    for (int j = 0; j < R; j++)
+                        head[j] = Q::head(base + j * SEGS * 16 + skew[j] + (u / GROUPS) * Q::BYTES, u % GROUPS);
+                    const float4* xv = reinterpret_cast<const float4*>(x + (long long)b0 * Q::QK + 8 * G * u);
+#pragma unroll
+                    for (int k = 0; k < G; k++) {
+                        const float4 xa = xv[2 * k], xb = xv[2 * k + 1];
+#pragma unroll
+                        for (int j = 0; j < R; j++) acc[j][0] += Q::dot_part(head[j], k, xa, xb);
+                    }
+                }
+                continue;
+            }
             for (int u = lane; u < nb * PARTS; u += 32) {
                 int blk = u / PARTS, part = u % PARTS;
                 const float* xu = x + (long long)b0 * Q::QK + 8 * u;
