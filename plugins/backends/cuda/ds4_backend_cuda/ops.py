@@ -413,9 +413,15 @@ def sparse_attention(q: Any, kv: Any, idx: Any, sinks: Weight | None, scale: flo
 
 
 def indexer_scores(q: Any, keys: Any, head_weights: Any, scale: float) -> Any:
-    """``s[t, r] = Σ_h head_weights[t, h] · ReLU(q[t, h] · keys[r]) · scale`` -> ``[T, R]``."""
-    dots = cp.maximum(contract_dot(q, keys), 0)
-    return (head_weights[:, :, None] * dots).sum(axis=1) * F32(scale)
+    """``s[t, r] = Σ_h head_weights[t, h] · ReLU(q[t, h] · keys[r]) · scale`` -> ``[T, R]``; the products, then
+    one launch for the rest (``relu_head_sum``)."""
+    dots = cp.ascontiguousarray(contract_dot(q, keys), dtype=F32)
+    T, H, R = dots.shape
+    out = cp.empty((T, R), dtype=F32)
+    if out.size:
+        glue_module().get_function("relu_head_sum")((-(-R // _THREADS), T), (_THREADS,), (
+            dots, cp.ascontiguousarray(head_weights, dtype=F32), _i32(H), _i32(R), F32(scale), out))
+    return out
 
 
 def route_scores(logits: Any, bias: Weight | None, kind: int) -> tuple[Any, Any]:

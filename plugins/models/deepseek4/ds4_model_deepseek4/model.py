@@ -150,10 +150,9 @@ class Indexer:
             q = finish(q)
         head_w = ops.linear(x, self.proj) * np.float32(self.nih ** -0.5)
         scores = ops.indexer_scores(q, keys, head_w, self.ih ** -0.5)
-        complete = xp.arange(keys.shape[0])[None, :] < limit[:, None]
-        scores = xp.where(complete, scores, -xp.inf)
+        scores = xp.where(xp.arange(keys.shape[0])[None, :] < limit[:, None], scores, -xp.inf)
         sel = ops.topk(scores, self.topk)
-        return xp.where(xp.take_along_axis(complete, sel, axis=1), sel, -1)
+        return xp.where(sel < limit[:, None], sel, -1)  # rows w < limit are complete
 
 
 class StepIndex:
@@ -182,9 +181,9 @@ class StepIndex:
         when every complete row of the ``n_rows`` slots of ratio ``m`` is visible."""
         if (m, n_rows) not in self._dense:
             xp = self.xp
-            w = xp.arange(n_rows)[None, :]
+            w = xp.arange(n_rows, dtype=xp.int32)[None, :]  # int32 like the window's part: no casts
             sel = xp.where(w < self.limit(m)[:, None], w, -1)
-            part = xp.where(sel >= 0, self.W + xp.arange(n_rows), -1)
+            part = xp.where(sel >= 0, self.W + w, -1)
             self._dense[m, n_rows] = (xp.maximum(sel[0], 0), xp.concatenate([self.window, part], axis=1))
         return self._dense[m, n_rows]
 
@@ -266,7 +265,8 @@ class Attention:
             sel = self.indexer.select(ops, x, qr, pos, index_rows, index.limit(self.m), self.inv_freq,
                                       self.index_finish)
             gather = xp.maximum(sel[0], 0)
-            parts = xp.concatenate([index.window, xp.where(sel >= 0, index.W + xp.arange(sel.shape[1]), -1)], axis=1)
+            slots = index.W + xp.arange(sel.shape[1], dtype=xp.int32)
+            parts = xp.concatenate([index.window, xp.where(sel >= 0, slots, -1)], axis=1)
         return self._attend(ops, q, xp.concatenate([ls.raw, rows[gather]]), parts, pos)
 
     def _project(self, ops: Ops, x: Any, pos: Any) -> tuple[Any, Any, Any]:

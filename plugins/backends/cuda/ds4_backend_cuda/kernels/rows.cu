@@ -30,3 +30,18 @@ extern "C" __global__ void mix_rows(const float* __restrict__ p, const float* __
     for (int j = 0; j < J; ++j) s = fmaf(pr[j], bc[(long long)j * D], s);
     c[ti * D + d] = s;
 }
+
+// s[t, j] = scale · sum_h w[t, h] · max(dots[t, h, j], 0) for dots [T, H, J]: the lightning indexer's score from its
+// per-head products in one launch (as array code: ReLU, product, sum, scale); one thread per (t, j), heads in order;
+// grid (ceil(J / blockDim.x), T).
+extern "C" __global__ void relu_head_sum(const float* __restrict__ dots, const float* __restrict__ w, int H, int J,
+                                         float scale, float* __restrict__ s) {
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= J) return;
+    const long long t = blockIdx.y;
+    const float* d = dots + t * H * J + j;
+    float acc = 0.f;
+#pragma unroll 8
+    for (int h = 0; h < H; ++h) acc = fmaf(w[t * H + h], fmaxf(d[(long long)h * J], 0.f), acc);
+    s[t * J + j] = acc * scale;
+}
