@@ -7,6 +7,19 @@ import functools
 import numpy as np
 import pytest
 
+#: The decode GEMVs take int8 activations by default; most tests here compare with numpy at float32 tolerance,
+#: so they pin the float32 kernels. The int8 path is tested against its own bounds (test_int8_gemv.py,
+#: test_int8_models.py), which ask for it explicitly.
+FLOAT_DECODE = {"DS4_CUDA_INT8": "0"}
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _float_decode():
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in FLOAT_DECODE.items():
+            patch.setenv(name, value)
+        yield
+
 
 @functools.cache
 def _gpu_reason() -> str | None:

@@ -68,11 +68,6 @@ def quant_kernel(kernel: str, qtype: str) -> Any:
     return quant_module(qtype).get_function(_expression(kernel, qtype))
 
 
-def quantize_kernel() -> Any:
-    """The ``cupy.RawKernel`` that quantizes float32 activations to int8 blocks of 32 (``quantize_q8_1``)."""
-    return quant_module(INT8_TYPES[0]).get_function("quantize_q8_1")
-
-
 #: Column-register bounds the delta-rule kernel is instantiated for (a head's key width must fit one of them).
 DELTA_RULE_DK: tuple[int, ...] = (16, 32, 64, 128, 256)
 

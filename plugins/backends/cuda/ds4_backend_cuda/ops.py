@@ -17,7 +17,7 @@ import numpy as np
 from ds4_core.backend import Weight
 from ds4_core.errors import BackendError
 
-from .modules import INT8_TYPES, glue_module, quant_kernel, quantize_kernel
+from .modules import INT8_TYPES, glue_module, quant_kernel
 from .prefill import per_token_products, prefill_linear, prefill_moe
 
 F32 = cp.float32
@@ -43,8 +43,8 @@ _CHUNK_BLOCKS = {"F32": 32, "F16": 64, "BF16": 64, "Q8_0": 16, "Q4_0": 64, "Q4_K
 _BLOCK_ELEMS = {"F32": 8, "F16": 8, "BF16": 8, "Q8_0": 32, "Q4_0": 32, "Q4_K": 256, "Q6_K": 256, "Q2_K": 256,
                 "IQ2_XXS": 256, "MXFP4": 32}
 _THREADS = 256
-#: Environment switch of the integer decode path (int8 activations, ``__dp4a``): "1" takes it for the formats of
-#: :data:`~.modules.INT8_TYPES`; "0" or unset keeps the float32-activation kernels.
+#: Environment switch of the integer decode path (int8 activations, ``__dp4a``), taken by one-token launches over
+#: the formats of :data:`~.modules.INT8_TYPES`: on unless it is "0" (then the float32-activation kernels run).
 INT8_ENV = "DS4_CUDA_INT8"
 #: Blocks of one row that a warp stages at once in the integer kernels (CHUNK of I8<Q> in quant_int8.cu).
 _CHUNK_BLOCKS_I8 = {"Q8_0": 32, "Q2_K": 4, "IQ2_XXS": 4}
@@ -80,43 +80,30 @@ def tensor_core_prefill() -> bool:
 
 
 def int8_enabled() -> bool:
-    """Whether the decode launches take the integer path by default (environment ``DS4_CUDA_INT8=1``)."""
-    return os.environ.get(INT8_ENV, "0").strip() not in ("", "0")
+    """Whether the decode launches take the integer path by default (yes unless ``DS4_CUDA_INT8=0``)."""
+    return os.environ.get(INT8_ENV, "1").strip() != "0"
 
 
 def _use_int8(int8: bool | None, qtype: str) -> bool:
     return (int8_enabled() if int8 is None else int8) and qtype in INT8_TYPES
 
 
-class QuantizedLaunch:
-    """A GEMV kernel preceded by the quantization of its activations, called like a ``cupy.RawKernel``.
-
-    Both launches go to the current stream, so a CUDA graph captures the pair like one kernel.
-    """
-
-    def __init__(self, quantize: tuple[Any, tuple[int, ...], tuple[int, ...], tuple], kernel: Any):
-        self.quantize, self.kernel = quantize, kernel
-
-    def __call__(self, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, **kwargs: Any) -> None:
-        qkernel, qgrid, qblock, qargs = self.quantize
-        qkernel(qgrid, qblock, qargs)
-        self.kernel(grid, block, args, **kwargs)
+def _activation_launch(kernel: Any, columns: int) -> Any:
+    """An integer kernel bound to the dynamic shared memory that holds ``columns`` int8 activation columns (codes,
+    half sums and scales: ``i8_act_bytes`` in quant_int8.cu), called like a ``cupy.RawKernel``."""
+    nbytes = columns + columns // 4 + columns // 8
+    if nbytes > kernel.max_dynamic_shared_size_bytes:
+        kernel.max_dynamic_shared_size_bytes = nbytes
+    return functools.partial(kernel, shared_mem=nbytes)
 
 
-def quantize_activations(x: Any, span: int, ntok: int,
-                         x_stride: int | None = None) -> tuple[tuple[Any, tuple[int, ...], tuple[int, ...], tuple],
-                                                               tuple[Any, Any, Any]]:
-    """((kernel, grid, block, args), (q, d, sums)): int8 blocks of ``x[t * x_stride + c]``, ``c < span``, ``t < ntok``.
-
-    ``span`` is a multiple of 32 and ``x_stride`` defaults to it. New buffers: ``q`` int8 ``[ntok, span]``,
-    ``d`` float32 ``[ntok, span / 32]`` with ``x ≈ q · d``, ``d = max|x| / 127`` per block of 32 (so
-    ``|x - q · d| <= d / 2``), and ``sums`` float32 ``[ntok, span / 16]``, the sums of ``x`` over 16 columns.
-    """
-    q = cp.empty((ntok, span), dtype=cp.int8)
-    d = cp.empty((ntok, span // 32), dtype=F32)
-    sums = cp.empty((ntok, span // 16), dtype=F32)
-    args = (x, _i64(span if x_stride is None else x_stride), _i32(span), _i32(ntok), q, d, sums)
-    return (quantize_kernel(), (-(-ntok * span // _THREADS),), (_THREADS,), args), (q, d, sums)
+def _act_groups(rows_per_block: int, group_rows: int, groups: int) -> int:
+    """Activation groups (of ``group_rows`` rows each) that a block of ``rows_per_block`` rows can touch."""
+    if group_rows % rows_per_block == 0:
+        return 1
+    if rows_per_block % group_rows == 0:
+        return min(groups, rows_per_block // group_rows)
+    return min(groups, (rows_per_block + group_rows - 2) // group_rows + 1)
 
 
 def gemv_launch(raw: Any, qtype: str, ncols: int, x: Any, ntok: int, y: Any, x_stride: int | None = None,
@@ -127,18 +114,18 @@ def gemv_launch(raw: Any, qtype: str, ncols: int, x: Any, ntok: int, y: Any, x_s
     ``raw``: ``[R, row bytes]``; ``x``: float32 with token ``t`` at ``x[t * x_stride:]`` (default ``ncols``);
     ``y``: float32 ``[ntok, R]``. ``group_rows`` (a multiple of :data:`ROWS_PER_WARP`): row ``r`` reads the
     activation ``x[t * x_stride + (r // group_rows) * ncols:]`` (a block-diagonal projection). ``int8`` (default
-    :func:`int8_enabled`), one token and a format of :data:`~.modules.INT8_TYPES`: the kernel is a
-    :class:`QuantizedLaunch` (x to int8 blocks, then the ``__dp4a`` GEMV).
+    :func:`int8_enabled`), one token and a format of :data:`~.modules.INT8_TYPES`: the ``__dp4a`` GEMV, which
+    quantizes the activation into int8 blocks of 32 on the way in (``x`` 16-byte aligned).
     """
     nrows = raw.shape[0]
     if ntok == 1 and _use_int8(int8, qtype):
-        groups = 1 if group_rows is None else -(-nrows // group_rows)
+        group_rows = nrows if group_rows is None else group_rows
         splits = _splits(qtype, nrows, ncols, _CHUNK_BLOCKS_I8[qtype])
-        quantize, (q, d, sums) = quantize_activations(x, groups * ncols, 1)
-        args = (raw, _i64(raw.shape[1]), _i32(nrows), _i32(ncols), q, d, sums,
-                _i32(nrows if group_rows is None else group_rows), y, _i32(splits))
-        kernel = QuantizedLaunch(quantize, quant_kernel("gemv1_i8", qtype))
-        return kernel, (-(-nrows // (WARPS_PER_BLOCK // splits * ROWS_PER_WARP)),), (32 * WARPS_PER_BLOCK,), args
+        rows_per_block = WARPS_PER_BLOCK // splits * ROWS_PER_WARP
+        groups = _act_groups(rows_per_block, group_rows, -(-nrows // group_rows))
+        args = (raw, _i64(raw.shape[1]), _i32(nrows), _i32(ncols), x, _i32(group_rows), y, _i32(splits))
+        kernel = _activation_launch(quant_kernel("gemv1_i8", qtype), groups * ncols)
+        return kernel, (-(-nrows // rows_per_block),), (32 * WARPS_PER_BLOCK,), args
     splits = _splits(qtype, nrows, ncols)
     rows_per_block = WARPS_PER_BLOCK // splits * ROWS_PER_WARP
     kernel = quant_kernel("gemv1" if ntok == 1 else "gemv8", qtype)
@@ -156,13 +143,9 @@ def moe_gemv_launch(w: Weight, idx: Any, x: Any, x_div: int, y: Any, *,
     _, nrows, ncols = w.shape
     row_bytes = w.data.shape[1]
     grid = (-(-nrows // (WARPS_PER_BLOCK * ROWS_PER_WARP)), idx.shape[0])
-    if _use_int8(int8, w.qtype):
-        quantize, (q, d, sums) = quantize_activations(x, ncols, x.size // ncols)
-        args = (w.data, _i64(nrows * row_bytes), _i64(row_bytes), _i32(nrows), _i32(ncols), idx, q, d, sums,
-                _i32(x_div), y)
-        kernel = QuantizedLaunch(quantize, quant_kernel("moe_gemv_i8", w.qtype))
-        return kernel, grid, (32 * WARPS_PER_BLOCK,), args
     args = (w.data, _i64(nrows * row_bytes), _i64(row_bytes), _i32(nrows), _i32(ncols), idx, x, _i32(x_div), y)
+    if _use_int8(int8, w.qtype):
+        return _activation_launch(quant_kernel("moe_gemv_i8", w.qtype), ncols), grid, (32 * WARPS_PER_BLOCK,), args
     return quant_kernel("moe_gemv", w.qtype), grid, (32 * WARPS_PER_BLOCK,), args
 
 
@@ -177,14 +160,10 @@ def moe_gate_up_launch(gate: Weight, up: Weight, idx: Any, x: Any, x_div: int, l
     row_bytes = gate.data.shape[1]
     warps = WARPS_PER_BLOCK // 2
     grid = (-(-nrows // (warps * ROWS_PER_WARP)), idx.shape[0])
-    if _use_int8(int8, gate.qtype):
-        quantize, (q, d, sums) = quantize_activations(x, ncols, x.size // ncols)
-        args = (gate.data, up.data, _i64(nrows * row_bytes), _i64(row_bytes), _i32(nrows), _i32(ncols), idx, q, d,
-                sums, _i32(x_div), F32(limit), h)
-        kernel = QuantizedLaunch(quantize, quant_kernel("moe_gate_up_i8", gate.qtype))
-        return kernel, grid, (32 * warps,), args
     args = (gate.data, up.data, _i64(nrows * row_bytes), _i64(row_bytes), _i32(nrows), _i32(ncols), idx, x,
             _i32(x_div), F32(limit), h)
+    if _use_int8(int8, gate.qtype):
+        return _activation_launch(quant_kernel("moe_gate_up_i8", gate.qtype), ncols), grid, (32 * warps,), args
     return quant_kernel("moe_gate_up", gate.qtype), grid, (32 * warps,), args
 
 

@@ -1,32 +1,65 @@
 // Integer decode path: compiled after quant.cu in one NVRTC module (it uses that file's format structs,
 // WarpDot staging and helpers).
 //
-// Activations are quantized once per launch into blocks of 32 int8 values q with a float scale d = max|x| / 127
-// (x ~ q d, |x - q d| <= d / 2) and the float sums of each 16-element half of the block (for formats with a min
-// term). A lane then dots one 32-element group of a weight row with __dp4a (four int8 products per instruction,
-// exact integer sums) and applies the weight and activation scales once per group: for the 2-bit formats about
-// 1.5-2 instructions per weight instead of 5 on the float path.
+// Each block first quantizes the activation columns it reads into shared memory: blocks of 32 int8 values q with a
+// float scale d = max|x| / 127 (x ~ q d, |x - q d| <= d / 2) and the float sums of each 16-element half of the block
+// (for formats with a min term); the weights' first loads are in flight meanwhile, so this costs no launch and no
+// round trip through memory. A lane then dots one 32-element group of a weight row with __dp4a (four int8 products
+// per instruction, exact integer sums) and applies the weight and activation scales once per group: for the 2-bit
+// formats about 1.5-2 instructions per weight instead of 5 on the float path.
 
-// q[t, c], d[t, c / 32], sums[t, c / 16] of x[t * x_stride + c] for c < span (a multiple of 32), t < ntok.
-// One warp per block of 32; the reductions run in a fixed order (deterministic, graph replay bit-equal).
-extern "C" __global__ void quantize_q8_1(const float* __restrict__ x, long long x_stride, int span, int ntok,
-                                         signed char* __restrict__ q, float* __restrict__ d,
-                                         float* __restrict__ sums) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long long)ntok * span) return;  // whole warps: ntok * span is a multiple of 32
-    long long t = i / span;
-    float v = x[t * x_stride + (i - t * span)];
-    float amax = fabsf(v);
+// An int8 activation in shared memory: codes q[c], half sums s[c / 32] (first and second 16), scales d[c / 32].
+struct I8Act {
+    const signed char* q;
+    const float2* s;
+    const float* d;
+};
+
+// Shared bytes of the int8 activation of n columns (n a multiple of 32): codes, half sums, scales.
+__host__ __device__ constexpr int i8_act_bytes(int n) {
+    return n + n / 4 + n / 8;
+}
+
+// Columns 0 .. n - 1 of x (n a multiple of 32) quantized into shared memory at `smem` by all threads of the block:
+// a thread takes 8 columns, four neighbouring lanes a block of 32 (q = rint(x * 127 / max|x|)).
+__device__ __forceinline__ I8Act quantize_shared(const float* __restrict__ x, int n, u8* smem) {
+    signed char* q = reinterpret_cast<signed char*>(smem);
+    float2* s = reinterpret_cast<float2*>(smem + n);
+    float* d = reinterpret_cast<float*>(smem + n + n / 4);
+    const int lane = threadIdx.x & 31;
+#pragma unroll 4
+    for (int c0 = 0; c0 < n; c0 += 8 * blockDim.x) {  // whole warps iterate: the shuffles need every lane
+        const int c = c0 + 8 * threadIdx.x;
+        float4 a = make_float4(0.f, 0.f, 0.f, 0.f), b = a;
+        if (c < n) {
+            a = reinterpret_cast<const float4*>(x + c)[0];
+            b = reinterpret_cast<const float4*>(x + c)[1];
+        }
+        float amax = fmaxf(fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w))),
+                           fmaxf(fmaxf(fabsf(b.x), fabsf(b.y)), fmaxf(fabsf(b.z), fabsf(b.w))));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+        const float inv = amax > 0.f ? 127.0f / amax : 0.f;
+        float sum = (a.x + a.y) + (a.z + a.w) + ((b.x + b.y) + (b.z + b.w));
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);  // the 16 columns of this thread and its even/odd neighbour
+        const float other = __shfl_xor_sync(0xffffffffu, sum, 2);
+        if (c < n) {
+            const int v[8] = {__float2int_rn(a.x * inv), __float2int_rn(a.y * inv), __float2int_rn(a.z * inv),
+                              __float2int_rn(a.w * inv), __float2int_rn(b.x * inv), __float2int_rn(b.y * inv),
+                              __float2int_rn(b.z * inv), __float2int_rn(b.w * inv)};
+            u32 w[2];
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    float inv = amax > 0.f ? 127.0f / amax : 0.f;
-    q[i] = (signed char)__float2int_rn(v * inv);
-    float s = v;
-#pragma unroll
-    for (int off = 8; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-    int lane = threadIdx.x & 31;
-    if ((lane & 15) == 0) sums[i / 16] = s;
-    if (lane == 0) d[i / 32] = amax / 127.0f;
+            for (int k = 0; k < 2; k++)
+                w[k] = (u32)(v[4 * k] & 255) | (u32)(v[4 * k + 1] & 255) << 8 | (u32)(v[4 * k + 2] & 255) << 16 |
+                       (u32)(v[4 * k + 3] & 255) << 24;
+            *reinterpret_cast<uint2*>(q + c) = make_uint2(w[0], w[1]);
+            if ((lane & 3) == 0) {
+                s[c / 32] = make_float2(sum, other);
+                d[c / 32] = amax / 127.0f;
+            }
+        }
+    }
+    return {q, s, d};
 }
 
 __device__ __forceinline__ float half_at2(const u8* p) {  // p is 2-byte aligned
@@ -138,21 +171,23 @@ struct I8Table {
     static constexpr int BYTES = I8<Q>::TABLE > 0 ? I8<Q>::TABLE : 16;
 };
 
-// One warp's dot products of R weight rows with one int8 activation (q, d and half sums of the row's columns):
-// the chunks ks, ks + KS, ... are staged like WarpDot (16-byte loads into registers, the next chunk in flight
-// while this one is read from shared memory); lane u takes the u-th 32-element group of the chunk.
-template <class Q, int R>
-__device__ __forceinline__ void warp_dot_i8(const u8* const (&row)[R], int ncols, const signed char* __restrict__ xq,
-                                            const float* __restrict__ xd, const float2* __restrict__ xs, int ks,
+// One warp's dot products of R weight rows with the block's int8 activation `act` (its columns from 0): the chunks
+// ks, ks + KS, ... are staged like WarpDot (16-byte loads into registers, the next chunk in flight while this one is
+// read from shared memory); lane u takes the u-th 32-element group of the chunk. The first chunk's loads are issued
+// before prepare(), which every thread of the block calls once (it quantizes the activation); a warp that is not
+// `live` reads nothing.
+template <class Q, int R, class Prepare>
+__device__ __forceinline__ void warp_dot_i8(const u8* const (&row)[R], int ncols, bool live, Prepare prepare, int ks,
                                             int KS, uint4* stage, const u8* table, float (&acc)[R]) {
     using F = I8<Q>;
     using D = WarpDot<F, R, 1>;
     constexpr int GROUPS = Q::QK / 32;
     int lane = threadIdx.x & 31;
-    int nblocks = ncols / Q::QK;
+    int nblocks = live ? ncols / Q::QK : 0;
     int nchunks = (nblocks + F::CHUNK - 1) / F::CHUNK;
     uint4 buf[D::LOADS];
     if (ks < nchunks) D::fetch(row, ks, nblocks, lane, buf);
+    const I8Act act = prepare();
     for (int c = ks; c < nchunks; c += KS) {
         __syncwarp();
 #pragma unroll
@@ -171,11 +206,11 @@ __device__ __forceinline__ void warp_dot_i8(const u8* const (&row)[R], int ncols
         for (int u = lane; u < nb * GROUPS; u += 32) {
             int blk = u / GROUPS, g = u % GROUPS;
             int grp = b0 * GROUPS + u;  // group index along the row
-            const int4* xv = reinterpret_cast<const int4*>(xq + 32LL * grp);
-            int4 qa = __ldg(xv), qb = __ldg(xv + 1);
+            const int4* xv = reinterpret_cast<const int4*>(act.q + 32 * grp);
+            const int4 qa = xv[0], qb = xv[1];
             const int q[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
-            float dx = __ldg(xd + grp);
-            float2 s = __ldg(xs + grp);
+            const float dx = act.d[grp];
+            const float2 s = act.s[grp];
 #pragma unroll
             for (int j = 0; j < R; j++)
                 acc[j] += F::dot(base + j * D::SEGS * 16 + skew[j] + blk * Q::BYTES, g, q, dx, s.x, s.y, table);
@@ -183,27 +218,45 @@ __device__ __forceinline__ void warp_dot_i8(const u8* const (&row)[R], int ncols
     }
 }
 
-// y[r] = sum_c W[r, c] x[g(r), c] for one token, x[g] the int8 activation (xq, xd, xs) of columns g * ncols ..,
-// g(r) = r / group_rows; blocks laid out like gemv (GEMV_WARPS / KS row groups, each split over KS warps).
+// The int8 activation of a block: `groups` activations of ncols columns from x, after __syncthreads.
+__device__ __forceinline__ I8Act block_activation(const float* __restrict__ x, int ncols, int groups) {
+    extern __shared__ __align__(16) u8 act_smem[];
+    const I8Act act = quantize_shared(x, groups * ncols, act_smem);
+    __syncthreads();
+    return act;
+}
+
+// The activation of x group g of a block whose first is g0.
+__device__ __forceinline__ I8Act act_group(const I8Act& act, int g, int ncols) {
+    return {act.q + (long long)g * ncols, act.s + (long long)g * ncols / 32, act.d + (long long)g * ncols / 32};
+}
+
+// y[t, r] = sum_c W[r, c] x[g(r), c] for one token, x[g] = x + g * ncols, g(r) = r / group_rows; blocks laid out
+// like gemv (GEMV_WARPS / KS row groups, each split over KS warps). Dynamic shared memory: i8_act_bytes of the
+// activations of the x groups a block's rows touch (act_groups of them at most).
 template <class Q>
 __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_i8(
-        const u8* __restrict__ w, long long row_bytes, int nrows, int ncols, const signed char* __restrict__ xq,
-        const float* __restrict__ xd, const float2* __restrict__ xs, int group_rows, float* __restrict__ y, int KS) {
+        const u8* __restrict__ w, long long row_bytes, int nrows, int ncols, const float* __restrict__ x,
+        int group_rows, float* __restrict__ y, int KS) {
     using D = WarpDot<I8<Q>, GEMV_ROWS, 1>;
     __shared__ uint4 stage[GEMV_WARPS][D::SLOTS];
     __shared__ float partial[GEMV_WARPS][GEMV_ROWS];
     __shared__ __align__(16) u8 table[I8Table<Q>::BYTES];
     I8<Q>::fill(table);
-    __syncthreads();
     int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     int groups = GEMV_WARPS / KS, rg = warp / KS, ks = warp % KS;
-    int r0 = (blockIdx.x * groups + rg) * GEMV_ROWS;
+    int first = blockIdx.x * groups * GEMV_ROWS, r0 = first + rg * GEMV_ROWS;
+    int g0 = first / group_rows, g1 = min(first + groups * GEMV_ROWS, nrows) - 1;
+    g1 /= group_rows;
     const u8* row[GEMV_ROWS];
 #pragma unroll
     for (int j = 0; j < GEMV_ROWS; j++) row[j] = w + (long long)min(r0 + j, nrows - 1) * row_bytes;
     float acc[GEMV_ROWS] = {};
-    long long col = (long long)(min(r0, nrows - 1) / group_rows) * ncols;
-    warp_dot_i8<Q, GEMV_ROWS>(row, ncols, xq + col, xd + col / 32, xs + col / 32, ks, KS, stage[warp], table, acc);
+    int gr = min(r0, nrows - 1) / group_rows - g0;
+    warp_dot_i8<Q, GEMV_ROWS>(
+        row, ncols, r0 < nrows,
+        [&] { return act_group(block_activation(x + (long long)g0 * ncols, ncols, g1 - g0 + 1), gr, ncols); }, ks, KS,
+        stage[warp], table, acc);
 #pragma unroll
     for (int j = 0; j < GEMV_ROWS; j++) {
         float s = warp_sum(acc[j]);
@@ -218,31 +271,27 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_i8(
 }
 
 // Routed-expert GEMV on int8 activations: y[p, r] = sum_c W_{idx[p]}[r, c] x[p / x_div, c]; a negative id
-// gives zeros. grid = (row blocks, P), GEMV_WARPS row groups of GEMV_ROWS rows.
+// gives zeros. grid = (row blocks, P), GEMV_WARPS row groups of GEMV_ROWS rows; dynamic shared memory:
+// i8_act_bytes(ncols).
 template <class Q>
 __global__ void __launch_bounds__(32 * GEMV_WARPS) moe_gemv_i8(
         const u8* __restrict__ w, long long expert_bytes, long long row_bytes, int nrows, int ncols,
-        const int* __restrict__ idx, const signed char* __restrict__ xq, const float* __restrict__ xd,
-        const float2* __restrict__ xs, int x_div, float* __restrict__ y) {
+        const int* __restrict__ idx, const float* __restrict__ x, int x_div, float* __restrict__ y) {
     using D = WarpDot<I8<Q>, GEMV_ROWS, 1>;
     __shared__ uint4 stage[GEMV_WARPS][D::SLOTS];
     __shared__ __align__(16) u8 table[I8Table<Q>::BYTES];
     I8<Q>::fill(table);
-    __syncthreads();
     int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     int p = blockIdx.y, e = idx[p];
     int r0 = (blockIdx.x * GEMV_WARPS + warp) * GEMV_ROWS;
-    if (r0 >= nrows) return;
     float acc[GEMV_ROWS] = {};
-    if (e >= 0) {
-        const u8* row[GEMV_ROWS];
+    const u8* row[GEMV_ROWS];
 #pragma unroll
-        for (int j = 0; j < GEMV_ROWS; j++)
-            row[j] = w + (long long)e * expert_bytes + (long long)min(r0 + j, nrows - 1) * row_bytes;
-        long long col = (long long)(p / x_div) * ncols;
-        warp_dot_i8<Q, GEMV_ROWS>(row, ncols, xq + col, xd + col / 32, xs + col / 32, 0, 1, stage[warp], table,
-                                  acc);
-    }
+    for (int j = 0; j < GEMV_ROWS; j++)
+        row[j] = w + (long long)max(e, 0) * expert_bytes + (long long)min(r0 + j, nrows - 1) * row_bytes;
+    warp_dot_i8<Q, GEMV_ROWS>(
+        row, ncols, e >= 0 && r0 < nrows, [&] { return block_activation(x + (long long)(p / x_div) * ncols, ncols, 1); },
+        0, 1, stage[warp], table, acc);
 #pragma unroll
     for (int j = 0; j < GEMV_ROWS; j++) {
         float s = warp_sum(acc[j]);
@@ -251,35 +300,32 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS) moe_gemv_i8(
 }
 
 // Fused routed gate/up/SwiGLU on int8 activations (as moe_gate_up): each warp reads GEMV_ROWS gate rows and the
-// same up rows of expert idx[p] against x[p / x_div]; a negative id gives zeros.
+// same up rows of expert idx[p] against x[p / x_div]; a negative id gives zeros. Dynamic shared memory as
+// moe_gemv_i8.
 template <class Q>
 __global__ void __launch_bounds__(32 * GEMV_WARPS / 2) moe_gate_up_i8(
         const u8* __restrict__ wg, const u8* __restrict__ wu, long long expert_bytes, long long row_bytes,
-        int nrows, int ncols, const int* __restrict__ idx, const signed char* __restrict__ xq,
-        const float* __restrict__ xd, const float2* __restrict__ xs, int x_div, float limit, float* __restrict__ h) {
+        int nrows, int ncols, const int* __restrict__ idx, const float* __restrict__ x, int x_div, float limit,
+        float* __restrict__ h) {
     constexpr int WARPS = GEMV_WARPS / 2;
     using D = WarpDot<I8<Q>, 2 * GEMV_ROWS, 1>;
     __shared__ uint4 stage[WARPS][D::SLOTS];
     __shared__ __align__(16) u8 table[I8Table<Q>::BYTES];
     I8<Q>::fill(table);
-    __syncthreads();
     int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     int p = blockIdx.y, e = idx[p];
     int r0 = (blockIdx.x * WARPS + warp) * GEMV_ROWS;
-    if (r0 >= nrows) return;
     float acc[2 * GEMV_ROWS] = {};
-    if (e >= 0) {
-        const u8* row[2 * GEMV_ROWS];
+    const u8* row[2 * GEMV_ROWS];
 #pragma unroll
-        for (int j = 0; j < GEMV_ROWS; j++) {
-            long long off = (long long)e * expert_bytes + (long long)min(r0 + j, nrows - 1) * row_bytes;
-            row[j] = wg + off;
-            row[GEMV_ROWS + j] = wu + off;
-        }
-        long long col = (long long)(p / x_div) * ncols;
-        warp_dot_i8<Q, 2 * GEMV_ROWS>(row, ncols, xq + col, xd + col / 32, xs + col / 32, 0, 1, stage[warp], table,
-                                      acc);
+    for (int j = 0; j < GEMV_ROWS; j++) {
+        long long off = (long long)max(e, 0) * expert_bytes + (long long)min(r0 + j, nrows - 1) * row_bytes;
+        row[j] = wg + off;
+        row[GEMV_ROWS + j] = wu + off;
     }
+    warp_dot_i8<Q, 2 * GEMV_ROWS>(
+        row, ncols, e >= 0 && r0 < nrows, [&] { return block_activation(x + (long long)(p / x_div) * ncols, ncols, 1); },
+        0, 1, stage[warp], table, acc);
 #pragma unroll
     for (int j = 0; j < GEMV_ROWS; j++) {
         float g = warp_sum(acc[j]), u = warp_sum(acc[GEMV_ROWS + j]);
