@@ -124,37 +124,33 @@ struct I8<Q2_K> : Q2_K {
 };
 
 // Group g: 4 grid indices (bytes) and aux (four 7-bit sign indices, 4-bit scale) at b + 2 + 8g. Table: the grid
-// (256 x 8 magnitudes) then 128 sign masks (byte i = 0xFF when element i is negative; the eighth sign is the
-// parity of the seven stored). With mask s, dp4a(m ^ s, q) - dp4a(s, q) is the signed dot: m ^ 0xFF reads as
-// -m - 1 and dp4a(s, q) is minus the sum of the negated activations.
+// (256 x 8 magnitudes). A sign index becomes byte masks (byte i = 0xFF when element i is negative; the eighth sign
+// is the parity of the seven stored) by arithmetic, not a second table: random shared-memory lookups are what bound
+// this kernel. With mask s, dp4a(m ^ s, q) - dp4a(s, q) is the signed dot: m ^ 0xFF reads as -m - 1 and dp4a(s, q)
+// is minus the sum of the negated activations.
 template <>
 struct I8<IQ2_XXS> : IQ2_XXS {
-    static constexpr int CHUNK = 4, TABLE = 256 * 8 + 128 * 8;
+    static constexpr int CHUNK = 4, TABLE = 256 * 8;
     static __device__ __forceinline__ void fill(u8* table) {  // by all threads of the block
         for (int i = threadIdx.x; i < 256 * 8 / 16; i += blockDim.x)
             reinterpret_cast<uint4*>(table)[i] = reinterpret_cast<const uint4*>(iq2xxs_grid)[i];
-        for (int i = threadIdx.x; i < 128; i += blockDim.x) {
-            u32 bits = (u32)i | ((__popc(i) & 1) << 7);
-            u32 lo = 0, hi = 0;
-#pragma unroll
-            for (int k = 0; k < 4; k++) {
-                lo |= ((bits >> k) & 1) * (0xFFu << (8 * k));
-                hi |= ((bits >> (4 + k)) & 1) * (0xFFu << (8 * k));
-            }
-            reinterpret_cast<uint2*>(table + 256 * 8)[i] = make_uint2(lo, hi);
-        }
+    }
+    // Bit k of a nibble times 0x00204081 lands alone on bit 8k; the masked bytes times 0xFF are the masks.
+    static __device__ __forceinline__ uint2 sign_masks(u32 s7) {
+        const u32 bits = s7 | ((__popc(s7) & 1) << 7);
+        return make_uint2((((bits & 0xFu) * 0x00204081u) & 0x01010101u) * 0xFFu,
+                          (((bits >> 4) * 0x00204081u) & 0x01010101u) * 0xFFu);
     }
     static __device__ __forceinline__ float dot(const u8* b, int g, const int (&q)[8], float dx, float, float,
                                                 const u8* table) {
         const u8* p = b + 2 + 8 * g;
         u32 grid_idx = u32_at2(p), aux = u32_at2(p + 4);
         const uint2* grid = reinterpret_cast<const uint2*>(table);
-        const uint2* sign = grid + 256;
         int pos = 0, neg = 0;
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             uint2 m = grid[(grid_idx >> (8 * k)) & 0xFF];
-            uint2 s = sign[(aux >> (7 * k)) & 127];
+            uint2 s = sign_masks((aux >> (7 * k)) & 127);
             pos = __dp4a((int)(m.x ^ s.x), q[2 * k], pos);
             pos = __dp4a((int)(m.y ^ s.y), q[2 * k + 1], pos);
             neg = __dp4a((int)s.x, q[2 * k], neg);
