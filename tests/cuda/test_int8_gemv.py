@@ -86,8 +86,9 @@ def _check_rms(err: np.ndarray, predicted: float) -> None:
 
 
 # 16384 columns: the block's int8 activation (22.5 KB) and the staging pass the default 48 KB of shared memory.
+# 20000 rows: enough blocks that each makes several passes (the last one ragged) on GPUs of up to 208 SMs.
 @pytest.mark.parametrize("qtype", INT8_TYPES)
-@pytest.mark.parametrize("nrows, ncols", [(67, 1536), (9, 16384)])
+@pytest.mark.parametrize("nrows, ncols", [(67, 1536), (9, 16384), (20000, 256)])
 def test_gemv_int8_within_the_rounding_bound(cuda_backend, qtype, nrows, ncols, rng):
     from ds4_backend_cuda.ops import gemv_launch
 
@@ -95,12 +96,14 @@ def test_gemv_int8_within_the_rounding_bound(cuda_backend, qtype, nrows, ncols, 
     x = _activations(rng, 1, ncols)
     y = cuda_backend.xp.empty((1, nrows), dtype=np.float32)
     kernel, grid, block, args = gemv_launch(w.data, qtype, ncols, cuda_backend.asarray(x), 1, y, int8=True)
+    assert (int(args[-1]) > 1) == (nrows == 20000)  # passes per block
     kernel(grid, block, args)
     _check(cuda_backend.to_numpy(y), x, w_ref.data, mins)
 
 
-# A block's 32 rows span parts of three groups of 24 rows, or eight groups of 4.
-@pytest.mark.parametrize("groups, rows", [(4, 24), (12, 4)])
+# A block's 32 rows span parts of three groups of 24 rows, or eight groups of 4; with 20000 rows blocks make
+# several passes and some straddle the two groups.
+@pytest.mark.parametrize("groups, rows", [(4, 24), (12, 4), (2, 10000)])
 def test_grouped_gemv_int8(cuda_backend, groups, rows, rng):
     from ds4_backend_cuda.ops import gemv_launch
 

@@ -210,9 +210,10 @@ def test_moe_route(cuda_backend, rng):
         np.testing.assert_allclose(cuda_backend.to_numpy(w), want_w, rtol=1e-5)
 
 
-# n = 6: the Sinkhorn matrix spans two registers per lane. n · D a multiple of 1024 takes the fused mix (one
-# four column slices for (4, 256), 32 for (4, 2048)); the others the unfused one.
-@pytest.mark.parametrize("n, D", [(4, 64), (6, 64), (4, 256), (4, 2048)])
+# n = 6: the Sinkhorn matrix spans two registers per lane and is summed lane by lane; n = 2, 4: by butterflies.
+# n · D a multiple of 1024 takes the fused mix (four column slices for (4, 256), 32 for (4, 2048), and for (6, 512)
+# 48 mix rows, more than a warp's lanes); the others the unfused one.
+@pytest.mark.parametrize("n, D", [(4, 64), (6, 64), (2, 64), (4, 256), (4, 2048), (6, 512)])
 def test_hc_and_deepseek4_ops(cuda_backend, n, D, rng):
     from ds4_backend_cuda import deepseek4_ops as cu
     from ds4_backend_cuda import hc_ops as hc

@@ -3,13 +3,16 @@
 // per layer on a few dozen floats; here each is one launch, so a recorded decode step stays short.
 
 #define HC_MAX 8
+// float4 slice sums a lane of hc_split loads before adding them (64 slices: K = 16384 columns in one round).
+#define HC_SLICE_LOADS 16
 
 __device__ __forceinline__ float hc_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
 // One warp per token: lane r·N + k holds element (r, k) of the N×N combination (and lane + 32 the rest when
-// N·N > 32); rows and columns are summed with shuffles in index order, as the array form sums. N is a template
-// argument so the shuffle loops unroll and overlap. (One thread per token kept the 20 iterations' divisions in one
-// serial chain: ~25 µs per token.)
+// N·N > 32); rows and columns are summed with shuffles in index order, as the array form sums, or, when N is a power
+// of two with N·N <= 32 (the models' 4 streams), by butterflies: log2(N) shuffles a sum instead of N, which is most
+// of the 20 iterations' time. N is a template argument so the shuffle loops unroll and overlap. (One thread per
+// token kept the iterations' divisions in one serial chain: ~25 µs per token.)
 template <int N>
 __device__ void hc_split_warp(const float* __restrict__ m, const float* __restrict__ scale,
                               const float* __restrict__ base, int iters, float eps, float* __restrict__ pre,
@@ -38,21 +41,48 @@ __device__ void hc_split_warp(const float* __restrict__ m, const float* __restri
         }
         return v;
     };
+    constexpr bool BUTTERFLY = (N & (N - 1)) == 0 && N * N <= 32;  // rows: N aligned lanes; columns: stride N
     auto row_sums = [&]() {
+        if constexpr (BUTTERFLY) {
+            sum[0] = c[0];
 #pragma unroll
-        for (int h = 0; h < H; ++h) sum[h] = 0.f;
+            for (int o = 1; o < N; o <<= 1) sum[0] += __shfl_xor_sync(0xffffffffu, sum[0], o);
+        } else {
 #pragma unroll
-        for (int j = 0; j < N; ++j)
+            for (int h = 0; h < H; ++h) sum[h] = 0.f;
 #pragma unroll
-            for (int h = 0; h < H; ++h) sum[h] += at(r[h], j);
+            for (int j = 0; j < N; ++j)
+#pragma unroll
+                for (int h = 0; h < H; ++h) sum[h] += at(r[h], j);
+        }
+    };
+    auto column_sums = [&]() {
+        if constexpr (BUTTERFLY) {
+            sum[0] = c[0];
+#pragma unroll
+            for (int o = N; o < N * N; o <<= 1) sum[0] += __shfl_xor_sync(0xffffffffu, sum[0], o);
+        } else {
+#pragma unroll
+            for (int h = 0; h < H; ++h) sum[h] = 0.f;
+#pragma unroll
+            for (int i = 0; i < N; ++i)
+#pragma unroll
+                for (int h = 0; h < H; ++h) sum[h] += at(i, k[h]);
+        }
     };
     float peak[H];  // row softmax, then + eps: the first iteration's row step
 #pragma unroll
     for (int h = 0; h < H; ++h) peak[h] = -3.402823466e38f;
+    if constexpr (BUTTERFLY) {
+        peak[0] = c[0];
 #pragma unroll
-    for (int j = 0; j < N; ++j)
+        for (int o = 1; o < N; o <<= 1) peak[0] = fmaxf(peak[0], __shfl_xor_sync(0xffffffffu, peak[0], o));
+    } else {
 #pragma unroll
-        for (int h = 0; h < H; ++h) peak[h] = fmaxf(peak[h], at(r[h], j));
+        for (int j = 0; j < N; ++j)
+#pragma unroll
+            for (int h = 0; h < H; ++h) peak[h] = fmaxf(peak[h], at(r[h], j));
+    }
 #pragma unroll
     for (int h = 0; h < H; ++h) c[h] = expf(c[h] - peak[h]);
     row_sums();
@@ -64,12 +94,7 @@ __device__ void hc_split_warp(const float* __restrict__ m, const float* __restri
 #pragma unroll
             for (int h = 0; h < H; ++h) c[h] /= sum[h] + eps;
         }
-#pragma unroll
-        for (int h = 0; h < H; ++h) sum[h] = 0.f;
-#pragma unroll
-        for (int i = 0; i < N; ++i)
-#pragma unroll
-            for (int h = 0; h < H; ++h) sum[h] += at(i, k[h]);
+        column_sums();
 #pragma unroll
         for (int h = 0; h < H; ++h) c[h] /= sum[h] + eps;
     }
@@ -89,19 +114,32 @@ extern "C" __global__ void hc_split(float* __restrict__ mix, const float* __rest
     if (t >= T) return;  // whole warps leave together
     const int M = (2 + n) * n;
     float* m = mix + (size_t)t * M;
-    if (slices > 0) {  // a multiple of 4: each lane reads its sums as float4s, in slice order
+    if (slices > 0) {  // a multiple of 4: lanes sum rows' slices (and the squares' slices once), in slice order
         const float4* p = reinterpret_cast<const float4*>(part + (size_t)t * (M + 1) * slices);
-        const int q = slices / 4;
-        auto total = [&](int r) {
-            float acc = 0.f;
-            for (int i = 0; i < q; ++i) {
-                const float4 v = p[r * q + i];
-                acc = acc + v.x + v.y + v.z + v.w;
+        const int q = slices / 4, lane = threadIdx.x & 31;
+        float squares = 0.f;
+        for (int r0 = 0; r0 < M; r0 += 32) {
+            const int r = min(r0 + lane, M - 1);
+            float row = 0.f;
+            for (int i0 = 0; i0 < q; i0 += HC_SLICE_LOADS) {  // a round's loads are all in flight at once
+                float4 a[HC_SLICE_LOADS], b[HC_SLICE_LOADS];
+#pragma unroll
+                for (int i = 0; i < HC_SLICE_LOADS; ++i) {
+                    if (i0 + i < q) {
+                        a[i] = p[r * q + i0 + i];
+                        if (r0 == 0) b[i] = p[M * q + i0 + i];
+                    }
+                }
+#pragma unroll
+                for (int i = 0; i < HC_SLICE_LOADS; ++i) {
+                    if (i0 + i < q) {
+                        row = row + a[i].x + a[i].y + a[i].z + a[i].w;
+                        if (r0 == 0) squares = squares + b[i].x + b[i].y + b[i].z + b[i].w;
+                    }
+                }
             }
-            return acc;
-        };
-        const float root = sqrtf(total(M) / (float)K + norm_eps);
-        for (int r = threadIdx.x & 31; r < M; r += 32) m[r] = total(r) / root;
+            if (r0 + lane < M) m[r] = row / sqrtf(squares / (float)K + norm_eps);
+        }
         __syncwarp();  // the row is read back by other lanes of this warp
     }
     pre += (size_t)t * n;

@@ -167,41 +167,55 @@ struct I8Table {
     static constexpr int BYTES = I8<Q>::TABLE > 0 ? I8<Q>::TABLE : 16;
 };
 
-// One warp's dot products of R weight rows with the block's int8 activation `act` (its columns from 0): the chunks
-// ks, ks + KS, ... are staged like WarpDot (16-byte loads into registers, the next chunk in flight while this one is
-// read from shared memory); lane u takes the u-th 32-element group of the chunk. The first chunk's loads are issued
-// before prepare(), which every thread of the block calls once (it quantizes the activation); a warp that is not
-// `live` reads nothing.
-template <class Q, int R, class Prepare>
-__device__ __forceinline__ void warp_dot_i8(const u8* const (&row)[R], int ncols, bool live, Prepare prepare, int ks,
-                                            int KS, uint4* stage, const u8* table, float (&acc)[R]) {
+// One warp's dot products of R weight rows with the block's int8 activation, for ngroups groups of rows in turn:
+// rows(g, row) sets group g's R row pointers and returns the column of act where its activation starts. The chunks
+// ks, ks + KS, ... of group 0, then of group 1, ... are staged like WarpDot (16-byte loads into registers, the next
+// chunk in flight, of this group or the next, while this one is read from shared memory); lane u takes the u-th
+// 32-element group of the chunk. done(g) follows group g's last chunk, with this lane's sums in acc (then zeroed by
+// done). The first chunk's loads are issued before prepare(), which every thread of the block calls once (it
+// quantizes the activation). Without PASSES, ngroups is 0 or 1 (the rows stay put, and so do their registers).
+template <class Q, int R, bool PASSES, class Rows, class Prepare, class Done>
+__device__ __forceinline__ void warp_dot_i8(Rows rows, int ngroups, int ncols, Prepare prepare, int ks, int KS,
+                                            uint4* stage, const u8* table, float (&acc)[R], Done done) {
     using F = I8<Q>;
     using D = WarpDot<F, R, 1>;
     constexpr int GROUPS = Q::QK / 32;
-    int lane = threadIdx.x & 31;
-    int nblocks = live ? ncols / Q::QK : 0;
-    int nchunks = (nblocks + F::CHUNK - 1) / F::CHUNK;
+    const int lane = threadIdx.x & 31, nblocks = ncols / Q::QK, nchunks = (nblocks + F::CHUNK - 1) / F::CHUNK;
+    const int per = ks < nchunks ? (nchunks - ks + KS - 1) / KS : 0, total = ngroups * per;
+    const u8* row[R];
+    int col = 0;
     uint4 buf[D::LOADS];
-    if (ks < nchunks) D::fetch(row, ks, nblocks, lane, buf);
+    if (total > 0) {
+        col = rows(0, row);
+        D::fetch(row, ks, nblocks, lane, buf);
+    }
     const I8Act act = prepare();
-    for (int c = ks; c < nchunks; c += KS) {
+    if (per == 0)
+        for (int g = 0; g < ngroups; g++) done(g);
+    for (int i = 0, g = 0, c = ks; i < total; i++) {
         __syncwarp();
 #pragma unroll
-        for (int i = 0; i < D::LOADS; i++) {
-            int slot = lane + 32 * i;
-            if (slot < D::SLOTS) stage[slot] = buf[i];
+        for (int k = 0; k < D::LOADS; k++) {
+            int slot = lane + 32 * k;
+            if (slot < D::SLOTS) stage[slot] = buf[k];
         }
         __syncwarp();
-        if (c + KS < nchunks) D::fetch(row, c + KS, nblocks, lane, buf);
-        int b0 = c * F::CHUNK;
-        int nb = min(F::CHUNK, nblocks - b0);
+        const int b0 = c * F::CHUNK, nb = min(F::CHUNK, nblocks - b0), at = col;
         int skew[R];
 #pragma unroll
         for (int j = 0; j < R; j++) skew[j] = (int)(reinterpret_cast<u64>(row[j] + (long long)b0 * Q::BYTES) & 15);
+        int gn = g, cn = c + KS;
+        if (cn >= nchunks) {
+            gn = g + 1;
+            cn = ks;
+            if constexpr (PASSES)
+                if (gn < ngroups) col = rows(gn, row);
+        }
+        if (i + 1 < total) D::fetch(row, cn, nblocks, lane, buf);
         const u8* base = reinterpret_cast<const u8*>(stage);
         for (int u = lane; u < nb * GROUPS; u += 32) {
-            int blk = u / GROUPS, g = u % GROUPS;
-            int grp = b0 * GROUPS + u;  // group index along the row
+            const int blk = u / GROUPS, k = u % GROUPS;
+            const int grp = at / 32 + b0 * GROUPS + u;  // 32-column group of the activation
             const int4* xv = reinterpret_cast<const int4*>(act.q + 32 * grp);
             const int4 qa = xv[0], qb = xv[1];
             const int q[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
@@ -209,8 +223,11 @@ __device__ __forceinline__ void warp_dot_i8(const u8* const (&row)[R], int ncols
             const float2 s = act.s[grp];
 #pragma unroll
             for (int j = 0; j < R; j++)
-                acc[j] += F::dot(base + j * D::SEGS * 16 + skew[j] + blk * Q::BYTES, g, q, dx, s.x, s.y, table);
+                acc[j] += F::dot(base + j * D::SEGS * 16 + skew[j] + blk * Q::BYTES, k, q, dx, s.x, s.y, table);
         }
+        if (gn != g) done(g);
+        g = gn;
+        c = cn;
     }
 }
 
@@ -222,43 +239,51 @@ __device__ __forceinline__ I8Act block_activation(const float* __restrict__ x, i
     return act;
 }
 
-// The activation of x group g of a block whose first is g0.
-__device__ __forceinline__ I8Act act_group(const I8Act& act, int g, int ncols) {
-    return {act.q + (long long)g * ncols, act.s + (long long)g * ncols / 32, act.d + (long long)g * ncols / 32};
-}
-
-// y[t, r] = sum_c W[r, c] x[g(r), c] for one token, x[g] = x + g * ncols, g(r) = r / group_rows; blocks laid out
-// like gemv (GEMV_WARPS / KS row groups, each split over KS warps). Dynamic shared memory: i8_act_bytes of the
-// activations of the x groups a block's rows touch (act_groups of them at most).
+// y[r] = sum_c W[r, c] x[g(r), c] for one token, x[g] = x + g * ncols, g(r) = r / group_rows. A block is
+// GEMV_WARPS warps: GEMV_WARPS / KS groups of GEMV_ROWS rows, each row group split over KS warps by chunks and summed
+// in a fixed order; with KS = 1 the block makes P passes, each warp streaming its P row groups back to back (P = 1
+// when KS > 1). Dynamic shared memory: i8_act_bytes of the activations of the x groups a block's rows touch.
 template <class Q>
 __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_i8(
         const u8* __restrict__ w, long long row_bytes, int nrows, int ncols, const float* __restrict__ x,
-        int group_rows, float* __restrict__ y, int KS) {
+        int group_rows, float* __restrict__ y, int KS, int P) {
     using D = WarpDot<I8<Q>, GEMV_ROWS, 1>;
     __shared__ uint4 stage[GEMV_WARPS][D::SLOTS];
     __shared__ float partial[GEMV_WARPS][GEMV_ROWS];
     __shared__ __align__(16) u8 table[I8Table<Q>::BYTES];
     I8<Q>::fill(table);
-    int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-    int groups = GEMV_WARPS / KS, rg = warp / KS, ks = warp % KS;
-    int first = blockIdx.x * groups * GEMV_ROWS, r0 = first + rg * GEMV_ROWS;
-    int g0 = first / group_rows, g1 = min(first + groups * GEMV_ROWS, nrows) - 1;
-    g1 /= group_rows;
-    const u8* row[GEMV_ROWS];
-#pragma unroll
-    for (int j = 0; j < GEMV_ROWS; j++) row[j] = w + (long long)min(r0 + j, nrows - 1) * row_bytes;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    const int groups = GEMV_WARPS / KS, rg = warp / KS, ks = warp % KS, span = groups * GEMV_ROWS;
+    const int first = blockIdx.x * P * span, g0 = first / group_rows;
+    const int g1 = (min(first + P * span, nrows) - 1) / group_rows;
+    auto row0 = [&](int g) { return first + g * span + rg * GEMV_ROWS; };
+    int ngroups = 0;
+    while (ngroups < P && row0(ngroups) < nrows) ngroups++;
     float acc[GEMV_ROWS] = {};
-    int gr = min(r0, nrows - 1) / group_rows - g0;
-    warp_dot_i8<Q, GEMV_ROWS>(
-        row, ncols, r0 < nrows,
-        [&] { return act_group(block_activation(x + (long long)g0 * ncols, ncols, g1 - g0 + 1), gr, ncols); }, ks, KS,
-        stage[warp], table, acc);
+    warp_dot_i8<Q, GEMV_ROWS, true>(
+        [&](int g, const u8* (&row)[GEMV_ROWS]) {
+            const int r0 = row0(g);
 #pragma unroll
-    for (int j = 0; j < GEMV_ROWS; j++) {
-        float s = warp_sum(acc[j]);
-        if (lane == 0) partial[warp][j] = s;
-    }
+            for (int j = 0; j < GEMV_ROWS; j++) row[j] = w + (long long)min(r0 + j, nrows - 1) * row_bytes;
+            return (r0 / group_rows - g0) * ncols;
+        },
+        ngroups, ncols, [&] { return block_activation(x + (long long)g0 * ncols, ncols, g1 - g0 + 1); }, ks, KS,
+        stage[warp], table, acc,
+        [&](int g) {
+            const int r0 = row0(g);
+#pragma unroll
+            for (int j = 0; j < GEMV_ROWS; j++) {
+                const float s = warp_sum(acc[j]);
+                acc[j] = 0.f;
+                if (lane == j) {
+                    if (KS > 1) partial[warp][j] = s;
+                    else if (r0 + j < nrows) y[r0 + j] = s;
+                }
+            }
+        });
+    if (KS == 1) return;
     __syncthreads();
+    const int r0 = row0(0);
     if (ks == 0 && lane < GEMV_ROWS) {
         float s = 0.f;
         for (int i = 0; i < KS; i++) s += partial[warp + i][lane];
@@ -285,9 +310,14 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS) moe_gemv_i8(
 #pragma unroll
     for (int j = 0; j < GEMV_ROWS; j++)
         row[j] = w + (long long)max(e, 0) * expert_bytes + (long long)min(r0 + j, nrows - 1) * row_bytes;
-    warp_dot_i8<Q, GEMV_ROWS>(
-        row, ncols, e >= 0 && r0 < nrows, [&] { return block_activation(x + (long long)(p / x_div) * ncols, ncols, 1); },
-        0, 1, stage[warp], table, acc);
+    warp_dot_i8<Q, GEMV_ROWS, false>(
+        [&](int, const u8* (&r)[GEMV_ROWS]) {
+#pragma unroll
+            for (int j = 0; j < GEMV_ROWS; j++) r[j] = row[j];
+            return 0;
+        },
+        e >= 0 && r0 < nrows, ncols, [&] { return block_activation(x + (long long)(p / x_div) * ncols, ncols, 1); },
+        0, 1, stage[warp], table, acc, [](int) {});
 #pragma unroll
     for (int j = 0; j < GEMV_ROWS; j++) {
         float s = warp_sum(acc[j]);
@@ -319,9 +349,14 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS / 2) moe_gate_up_i8(
         row[j] = wg + off;
         row[GEMV_ROWS + j] = wu + off;
     }
-    warp_dot_i8<Q, 2 * GEMV_ROWS>(
-        row, ncols, e >= 0 && r0 < nrows, [&] { return block_activation(x + (long long)(p / x_div) * ncols, ncols, 1); },
-        0, 1, stage[warp], table, acc);
+    warp_dot_i8<Q, 2 * GEMV_ROWS, false>(
+        [&](int, const u8* (&r)[2 * GEMV_ROWS]) {
+#pragma unroll
+            for (int j = 0; j < 2 * GEMV_ROWS; j++) r[j] = row[j];
+            return 0;
+        },
+        e >= 0 && r0 < nrows, ncols, [&] { return block_activation(x + (long long)(p / x_div) * ncols, ncols, 1); },
+        0, 1, stage[warp], table, acc, [](int) {});
 #pragma unroll
     for (int j = 0; j < GEMV_ROWS; j++) {
         float g = warp_sum(acc[j]), u = warp_sum(acc[GEMV_ROWS + j]);
