@@ -248,3 +248,34 @@ def test_fused_compressor_step_matches_its_composition(cuda_backend, tiny_gguf):
                     np.testing.assert_allclose(fused[name], want, rtol=1e-5, atol=1e-5, err_msg=name)
     finally:
         gguf.close()
+
+
+@pytest.mark.parametrize("int8", ["0", "1"])
+def test_fused_shared_expert_matches_its_composition(cuda_backend, tiny_gguf, monkeypatch, int8):
+    """``shared_expert`` (gate, up and SwiGLU in one launch, then the down projection) gives the model's composition
+    of core ops on every layer's shared expert, for one token and a few, on float and int8 activations; the bf16
+    file's gate/up take the same kernel in its BF16 form. Each token is composed alone: one-token projections are
+    the ones that take int8 activations, as the fused launch does for every token. With int8 activations the down
+    projection quantizes h, whose last bits differ with the order of the sums, so a code of h may round the other
+    way: the tolerance is that of one int8 step (~0.4% of a block's largest value); the launch itself is checked
+    exactly in test_int8_gemv.py."""
+    from ds4_backend_cuda import deepseek4_ops as cu
+    from ds4_model_deepseek4.model import compose_shared_expert
+
+    monkeypatch.setenv("DS4_CUDA_INT8", int8)
+    gguf, model = _load(tiny_gguf, cuda_backend)
+    try:
+        assert model.ops.has("shared_expert")
+        rng = np.random.default_rng(5)
+        for block in model.blocks:
+            moe = block.ffn
+            weights = (moe.ffn_gate_shexp, moe.ffn_up_shexp, moe.ffn_down_shexp)
+            for T in (1, 3):
+                x = cuda_backend.asarray(rng.standard_normal((T, model.cfg.hidden_size), dtype=np.float32))
+                got = cuda_backend.to_numpy(cu.shared_expert(x, *weights, moe.limit))
+                want = np.concatenate([cuda_backend.to_numpy(compose_shared_expert(model.ops, x[t:t + 1], *weights,
+                                                                                   moe.limit)) for t in range(T)])
+                tol = 1e-2 if int8 == "1" and moe.ffn_gate_shexp.qtype == "Q8_0" else 1e-4
+                np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+    finally:
+        gguf.close()

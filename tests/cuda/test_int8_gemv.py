@@ -179,6 +179,24 @@ def test_moe_gate_up_int8(cuda_backend, qtype, limit, rng):
     assert np.isfinite(got).all()
 
 
+@pytest.mark.parametrize("int8", [False, True])
+def test_gate_up_without_ids_is_expert_zero(cuda_backend, int8, rng):
+    """A null id array (the shared expert) is expert 0 for every pair: the same sums as explicit zero ids."""
+    from ds4_backend_cuda.ops import moe_gate_up_launch
+
+    _, gate, _ = _pair(cuda_backend, "Q8_0", (1, 40, 512), rng)
+    _, up, _ = _pair(cuda_backend, "Q8_0", (1, 40, 512), rng)
+    x = cuda_backend.asarray(_activations(rng, 3, 512))
+    out = []
+    for idx in (None, cuda_backend.asarray(np.zeros(3, np.int32))):
+        h = cuda_backend.xp.full((3, 40), np.nan, dtype=np.float32)
+        kernel, grid, block, args = moe_gate_up_launch(gate, up, idx, x, 1, 0.0, h, int8=int8)
+        kernel(grid, block, args)
+        out.append(cuda_backend.to_numpy(h))
+    np.testing.assert_array_equal(out[0], out[1])
+    assert np.isfinite(out[0]).all() and np.abs(out[0]).max() > 0
+
+
 def test_graph_replay_equals_eager(cuda_backend, rng):
     import cupy as cp
     from ds4_backend_cuda.ops import gemv_launch, moe_gate_up_launch, moe_gemv_launch

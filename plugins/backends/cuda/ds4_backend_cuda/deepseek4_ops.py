@@ -14,7 +14,7 @@ import numpy as np
 from ds4_core.backend import Weight
 
 from .modules import glue_module
-from .ops import values
+from .ops import MOE_PAIR_LIMIT, linear, moe_gate_up_launch, swiglu, values
 
 F32 = cp.float32
 
@@ -87,8 +87,23 @@ def compress_step(kv_row: Any, gate_row: Any, ape: Any, pos: Any, buf_kv: Any, b
     return rows
 
 
+def shared_expert(x: Any, gate: Weight, up: Weight, down: Weight, limit: float) -> Any:
+    """``down(swiglu(gate x, up x))`` for ``x [T, D]``, as ``ds4_model_deepseek4``'s ``compose_shared_expert``: the
+    gate and up projections and the SwiGLU in one launch (the routed experts' ``moe_gate_up`` kernel, with expert 0
+    for every token) when the two share a format and few tokens come."""
+    x = cp.ascontiguousarray(x, dtype=F32)
+    if x.shape[0] > MOE_PAIR_LIMIT or gate.qtype != up.qtype or gate.shape != up.shape or gate.shape[1] % 8:
+        return linear(swiglu(linear(x, gate), linear(x, up), limit), down)
+    h = cp.empty((x.shape[0], gate.shape[0]), dtype=F32)
+    one = [Weight(w.name, w.qtype, (1, *w.shape), w.data) for w in (gate, up)]
+    kernel, grid, block, args = moe_gate_up_launch(*one, None, x, 1, limit, h)
+    kernel(grid, block, args)
+    return linear(h, down)
+
+
 DEEPSEEK4_OPS = {
     "fp8_kv_round": fp8_kv_round,
     "fp4_hadamard_round": fp4_hadamard_round,
     "compress_step": compress_step,
+    "shared_expert": shared_expert,
 }

@@ -171,19 +171,20 @@ def moe_gemv_launch(w: Weight, idx: Any, x: Any, x_div: int, y: Any, *,
     return quant_kernel("moe_gemv", w.qtype), grid, (32 * WARPS_PER_BLOCK,), args
 
 
-def moe_gate_up_launch(gate: Weight, up: Weight, idx: Any, x: Any, x_div: int, limit: float, h: Any, *,
+def moe_gate_up_launch(gate: Weight, up: Weight, idx: Any | None, x: Any, x_div: int, limit: float, h: Any, *,
                        int8: bool | None = None) -> tuple[Any, tuple[int, ...], tuple[int, ...], tuple]:
     """(kernel, grid, block, args) of ``h[p] = swiglu(G_{idx[p]} x, U_{idx[p]} x)``, ``x = x[p // x_div]``.
 
     ``gate``, ``up``: ``[E, R, C]`` of one format; ``x``: contiguous float32 rows of ``C``; ``h``: float32
-    ``[P, R]``. One pass reads both matrices. ``int8`` as in :func:`gemv_launch`.
+    ``[P, R]``; ``idx`` None: expert 0 for each of the ``P`` rows of ``h``. One pass reads both matrices. ``int8``
+    as in :func:`gemv_launch`.
     """
     _, nrows, ncols = gate.shape
     row_bytes = gate.data.shape[1]
     warps = WARPS_PER_BLOCK // 2
-    grid = (-(-nrows // (warps * ROWS_PER_WARP)), idx.shape[0])
-    args = (gate.data, up.data, _i64(nrows * row_bytes), _i64(row_bytes), _i32(nrows), _i32(ncols), idx, x,
-            _i32(x_div), F32(limit), h)
+    grid = (-(-nrows // (warps * ROWS_PER_WARP)), h.shape[0])
+    args = (gate.data, up.data, _i64(nrows * row_bytes), _i64(row_bytes), _i32(nrows), _i32(ncols),
+            np.uint64(0) if idx is None else idx, x, _i32(x_div), F32(limit), h)
     if _use_int8(int8, gate.qtype):
         return _activation_launch(quant_kernel("moe_gate_up_i8", gate.qtype), ncols), grid, (32 * warps,), args
     return quant_kernel("moe_gate_up", gate.qtype), grid, (32 * warps,), args

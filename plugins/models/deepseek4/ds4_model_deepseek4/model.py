@@ -12,6 +12,7 @@ it once as a graph and replay it per token (``ds4_core.decode_graph``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -316,8 +317,14 @@ class MoE:
         idx, weights = ops.moe_route(ops.linear(x, self.ffn_gate_inp), self.exp_probs_b, self.k, self.scale, fixed)
         routed = ops.moe_experts(x, self.ffn_gate_exps, self.ffn_up_exps, self.ffn_down_exps, idx, weights,
                                  self.limit)
-        h = ops.swiglu(ops.linear(x, self.ffn_gate_shexp), ops.linear(x, self.ffn_up_shexp), self.limit)
-        return routed + ops.linear(h, self.ffn_down_shexp)
+        shared = ops.shared_expert if ops.has("shared_expert") else functools.partial(compose_shared_expert, ops)
+        return routed + shared(x, self.ffn_gate_shexp, self.ffn_up_shexp, self.ffn_down_shexp, self.limit)
+
+
+def compose_shared_expert(ops: Ops, x: Any, gate: Any, up: Any, down: Any, limit: float) -> Any:
+    """The shared expert from core ops, the definition of the op ``shared_expert``: ``x [T, D]`` through the SwiGLU
+    of ``gate``, ``up [F, D]`` (clamped at ``limit`` when positive), then ``down [D, F]`` -> ``[T, D]``."""
+    return ops.linear(ops.swiglu(ops.linear(x, gate), ops.linear(x, up), limit), down)
 
 
 class Block:

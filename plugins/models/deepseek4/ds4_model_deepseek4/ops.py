@@ -1,4 +1,5 @@
-"""DeepSeek-V4-only ops (numpy references): the QAT roundings of spec §10 and the fused compressor step.
+"""DeepSeek-V4-only ops (numpy references): the QAT roundings of spec §10, the fused compressor step and shared
+expert.
 
 Registered for backend ``"numpy"`` through ``register_kernels`` (names in :mod:`.opnames`). The
 hyper-connection and compressor-pool ops the graph also uses are core ops (:mod:`ds4_core.ops_hc`).
@@ -13,7 +14,7 @@ from ds4_core.backend import Ops
 from ds4_core.backends.numpy import NumpyBackend
 from ds4_core.ops import CORE_OPS
 
-from .model import compose_compress_step
+from .model import compose_compress_step, compose_shared_expert
 from .qat import fp4_hadamard_round, fp8_kv_round
 
 _NUMPY_OPS = Ops(NumpyBackend(), CORE_OPS)
@@ -27,8 +28,15 @@ def compress_step(kv_row: Any, gate_row: Any, ape: Any, pos: Any, buf_kv: Any, b
                                  norm, eps, inv_freq)
 
 
+def shared_expert(x: Any, gate: Any, up: Any, down: Any, limit: float) -> Any:
+    """The shared expert (:func:`.model.compose_shared_expert` over the core numpy ops), the reference of backends
+    that run its gate and up projections and the SwiGLU in one launch."""
+    return compose_shared_expert(_NUMPY_OPS, x, gate, up, down, limit)
+
+
 DEEPSEEK4_OPS: dict[str, Callable] = {
     "fp8_kv_round": fp8_kv_round,
     "fp4_hadamard_round": fp4_hadamard_round,
     "compress_step": compress_step,
+    "shared_expert": shared_expert,
 }

@@ -499,7 +499,8 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS) moe_gemv(
 
 // Fused routed-expert gate/up with SwiGLU: h[p, r] = silu(min(g, L)) * clip(u, -L, L) (no clamp when
 // limit <= 0), g and u the rows r of W_gate and W_up of expert idx[p] against x[p / x_div]. Each warp reads
-// GEMV_ROWS gate rows and the same up rows against one staged activation; a negative id gives zeros.
+// GEMV_ROWS gate rows and the same up rows against one staged activation; a negative id gives zeros, and a null
+// idx expert 0 for every pair (a shared expert).
 template <class Q>
 __global__ void __launch_bounds__(32 * GEMV_WARPS / 2) moe_gate_up(
         const u8* __restrict__ wg, const u8* __restrict__ wu, long long expert_bytes, long long row_bytes,
@@ -509,7 +510,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS / 2) moe_gate_up(
     using D = WarpDot<Q, 2 * GEMV_ROWS, 1>;
     __shared__ uint4 stage[WARPS][D::SLOTS];
     int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-    int p = blockIdx.y, e = idx[p];
+    int p = blockIdx.y, e = idx ? idx[p] : 0;
     int r0 = (blockIdx.x * WARPS + warp) * GEMV_ROWS;
     if (r0 >= nrows) return;
     float acc[2 * GEMV_ROWS][1] = {};

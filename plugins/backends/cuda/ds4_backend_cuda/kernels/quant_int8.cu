@@ -326,8 +326,8 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS) moe_gemv_i8(
 }
 
 // Fused routed gate/up/SwiGLU on int8 activations (as moe_gate_up): each warp reads GEMV_ROWS gate rows and the
-// same up rows of expert idx[p] against x[p / x_div]; a negative id gives zeros. Dynamic shared memory as
-// moe_gemv_i8.
+// same up rows of expert idx[p] against x[p / x_div]; a negative id gives zeros, a null idx expert 0 for every pair.
+// Dynamic shared memory as moe_gemv_i8.
 template <class Q>
 __global__ void __launch_bounds__(32 * GEMV_WARPS / 2) moe_gate_up_i8(
         const u8* __restrict__ wg, const u8* __restrict__ wu, long long expert_bytes, long long row_bytes,
@@ -339,7 +339,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS / 2) moe_gate_up_i8(
     __shared__ __align__(16) u8 table[I8Table<Q>::BYTES];
     I8<Q>::fill(table);
     int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-    int p = blockIdx.y, e = idx[p];
+    int p = blockIdx.y, e = idx ? idx[p] : 0;
     int r0 = (blockIdx.x * WARPS + warp) * GEMV_ROWS;
     float acc[2 * GEMV_ROWS] = {};
     const u8* row[2 * GEMV_ROWS];
