@@ -1,8 +1,8 @@
 """How far the CUDA backend's fast paths move the shipped tiny models from the numpy reference.
 
 For each trained tiny model (held-out text from this interpreter's standard library, as the tiny-model tests) and
-each CUDA configuration — float32 activations (``DS4_CUDA_INT8=0``), int8 decode activations (the default), 16-bit
-tensor-core prefill (``DS4_CUDA_PREFILL=16``) — it reports the held-out loss (prefill path) next to numpy's, the
+each CUDA configuration — float32 (``DS4_CUDA_INT8=0 DS4_CUDA_PREFILL=32``), int8 decode activations (a default),
+16-bit tensor-core prefill (the other default) — it reports the held-out loss (prefill path) next to numpy's, the
 largest logit difference over one held-out window relative to the largest logit, and how many of 48 greedy
 decode steps (graph-replayed one-token steps where the model records them) pick numpy's token.
 

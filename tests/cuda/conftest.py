@@ -7,16 +7,16 @@ import functools
 import numpy as np
 import pytest
 
-#: The decode GEMVs take int8 activations by default; most tests here compare with numpy at float32 tolerance,
-#: so they pin the float32 kernels. The int8 path is tested against its own bounds (test_int8_gemv.py,
-#: test_int8_models.py), which ask for it explicitly.
-FLOAT_DECODE = {"DS4_CUDA_INT8": "0"}
+#: Decode GEMVs take int8 activations and prefill matmuls 16-bit tensor cores by default; most tests here compare
+#: with numpy at float32 tolerance, so they pin the float32 paths. The fast paths are tested against their own
+#: bounds (test_int8_gemv.py, test_prefill.py, test_default_paths.py), which ask for them explicitly.
+FLOAT32_PATHS = {"DS4_CUDA_INT8": "0", "DS4_CUDA_PREFILL": "32"}
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _float_decode():
+def _float32_paths():
     with pytest.MonkeyPatch.context() as patch:
-        for name, value in FLOAT_DECODE.items():
+        for name, value in FLOAT32_PATHS.items():
             patch.setenv(name, value)
         yield
 

@@ -29,8 +29,8 @@ GEMV_MAX_TOKENS = 32
 MOE_PAIR_LIMIT = 64
 #: Elements dequantized per chunk on the float32 matmul path (bounds scratch memory to 256 MiB).
 DEQUANT_CHUNK = 1 << 26
-#: Prefill matmul precision: unset/"32" = float32 sgemm on exact weights; "16" = fp16/bf16 tensor cores (prefill.py),
-#: faster, with logits ~1% apart from numpy on the tiny random test models, so opt-in until that is bounded.
+#: Prefill matmul precision: unset/"16" = fp16/bf16 tensor cores (prefill.py; attention products in TF32), about 9x
+#: faster; "32" = float32 sgemm on exact weights. tests/cuda/test_default_paths.py bounds what the 16-bit path moves.
 PREFILL_ENV = "DS4_CUDA_PREFILL"
 #: Rows per warp and warps per block of the GEMV kernels (GEMV_ROWS, GEMV_WARPS in quant.cu).
 ROWS_PER_WARP = 4
@@ -94,8 +94,8 @@ def _passes(blocks: int) -> int:
 
 
 def tensor_core_prefill() -> bool:
-    """Whether prefill matmuls run on 16-bit tensor cores (``DS4_CUDA_PREFILL=16``)."""
-    return os.environ.get(PREFILL_ENV, "32").strip() == "16"
+    """Whether prefill matmuls run on 16-bit tensor cores (yes unless ``DS4_CUDA_PREFILL=32``)."""
+    return os.environ.get(PREFILL_ENV, "16").strip() != "32"
 
 
 def int8_enabled() -> bool:
