@@ -80,6 +80,11 @@ class Backend:
         """Bytes in use / peak on the device, where known."""
         return {}
 
+    def numerics(self) -> dict[str, str]:
+        """Where this backend's arithmetic may differ from the numpy reference beyond float32 summation order, and
+        how to change it: step -> setting, for reports such as ``ds4 bench`` (empty: it computes as the reference)."""
+        return {}
+
     def free_memory(self) -> int | None:
         """Bytes still available for decoding state on this backend's device (``None``: unknown)."""
         return None

@@ -134,3 +134,22 @@ def test_bench_model_file_end_to_end_on_numpy():
 def test_bench_model_file_must_exist(tmp_path):
     result = CliRunner().invoke(cli, ["bench", "-m", str(tmp_path / "missing.gguf")])
     assert result.exit_code != 0 and "does not exist" in result.output
+
+
+def test_measurement_report_names_the_arithmetic(capsys):
+    """A backend's arithmetic choices head the report (the CUDA backend's int8 decode and 16-bit prefill); the
+    reference arithmetic adds no line."""
+    from ds4_bench.engine_decode import print_measurement
+
+    from ds4_core.backends.numpy import NumpyBackend
+
+    r = {"model": "m.gguf", "backend": "cuda", "prompt_tokens": 8, "prefill_tokens_per_s": 100.0,
+         "device_weight_bytes": None, "decode_tokens": 4, "eager_decode_tokens_per_s": 10.0, "state_bytes": 2**20,
+         "context": 14, "state_bytes_per_1k_tokens": 2**20, "device_bytes_after_prefill": None,
+         "numerics": {"decode activations": "int8 (DS4_CUDA_INT8=0: float32)", "prefill matmuls": "fp16"}}
+    print_measurement(r)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "  arithmetic: decode activations int8 (DS4_CUDA_INT8=0: float32); prefill matmuls fp16"
+    assert NumpyBackend().numerics() == {}
+    print_measurement({**r, "numerics": NumpyBackend().numerics()})
+    assert "arithmetic" not in capsys.readouterr().out

@@ -115,3 +115,5 @@ def test_run_reports_graph_equal_to_eager_and_fractions_in_range(cuda_backend, m
     print_report(r)
     out = capsys.readouterr().out
     assert f"context {CONTEXTS[1]:6d}" in out and "replay == eager: True" in out and "projected prefill" in out
+    assert set(r["numerics"]) == {"decode activations", "prefill matmuls"}
+    assert "  arithmetic: decode activations float32" in out  # the GPU tests pin the float32 paths

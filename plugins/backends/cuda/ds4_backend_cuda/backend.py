@@ -90,6 +90,12 @@ class CudaBackend(Backend):
         return {"used": pool.used_bytes(), "reserved": pool.total_bytes(), "peak": self._peak,
                 "free": free, "total": total}
 
+    def numerics(self) -> dict[str, str]:
+        """int8 decode activations and 16-bit prefill matmuls, or float32 ones (``ops.numerics``)."""
+        from .ops import numerics
+
+        return numerics()
+
     def free_memory(self) -> int:
         """Bytes the device can still give: free device memory plus blocks CuPy's pool holds but does not use."""
         free, _ = self.xp.cuda.runtime.memGetInfo()

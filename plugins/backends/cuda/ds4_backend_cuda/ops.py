@@ -103,6 +103,14 @@ def int8_enabled() -> bool:
     return os.environ.get(INT8_ENV, "1").strip() != "0"
 
 
+def numerics() -> dict[str, str]:
+    """The arithmetic the environment selects for decode GEMVs and prefill matmuls, with the switch to the other."""
+    return {"decode activations": "int8 (DS4_CUDA_INT8=0: float32)" if int8_enabled() else
+            "float32 (unset DS4_CUDA_INT8: int8)",
+            "prefill matmuls": "fp16/bf16 tensor cores (DS4_CUDA_PREFILL=32: float32)" if tensor_core_prefill() else
+            "float32 (unset DS4_CUDA_PREFILL: fp16/bf16 tensor cores)"}
+
+
 def _use_int8(int8: bool | None, qtype: str) -> bool:
     return (int8_enabled() if int8 is None else int8) and qtype in INT8_TYPES
 

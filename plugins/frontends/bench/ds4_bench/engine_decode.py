@@ -73,7 +73,7 @@ def measure(path: Path, backend: str = "cuda", prompt_tokens: int = 512, decode_
                   "decode_tokens": decode_tokens, "prefill_tokens_per_s": prompt_tokens / prefill,
                   "file_tensor_bytes": sum(t.nbytes for t in engine.gguf.tensors.values()),
                   "device_weight_bytes": weights, "device_bytes_after_prefill": _device_in_use(backend),
-                  "context": ctx, "state_bytes": engine.model.state_nbytes(ctx),
+                  "context": ctx, "state_bytes": engine.model.state_nbytes(ctx), "numerics": engine.backend.numerics(),
                   "state_bytes_per_1k_tokens": engine.model.state_nbytes(ctx + 1024) - engine.model.state_nbytes(ctx)}
         if graphs is not None:
             result["graph_decode_tokens_per_s"] = decode_tokens / _decode(session, int(ids[-1]), decode_tokens)
@@ -88,8 +88,15 @@ def measure(path: Path, backend: str = "cuda", prompt_tokens: int = 512, decode_
         engine.close()
 
 
+def print_numerics(numerics: dict[str, str]) -> None:
+    """One line naming the arithmetic a backend chose where it differs from the reference (nothing if it does not)."""
+    if numerics:
+        print("  arithmetic: " + "; ".join(f"{step} {setting}" for step, setting in numerics.items()))
+
+
 def print_measurement(r: dict[str, Any]) -> None:
     print(f"{r['model']} on {r['backend']}: prefill {r['prompt_tokens']} tokens at {r['prefill_tokens_per_s']:.1f} t/s")
+    print_numerics(r.get("numerics", {}))
     if r["device_weight_bytes"] is not None:
         ratio = r["device_weight_bytes"] / r["file_tensor_bytes"]
         print(f"  weights on the device {r['device_weight_bytes'] / 1e9:.3f} GB for {r['file_tensor_bytes'] / 1e9:.3f} "

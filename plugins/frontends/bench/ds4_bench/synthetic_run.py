@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from . import synthetic_device as device
+from .engine_decode import print_numerics
 from .synthetic_plan import Matrix, Plan, RoutedExperts, SyntheticModel, fitting_layers, prefill_plan, read_bytes
 
 #: SwiGLU clamp of the prefill experts (DeepSeek V4 and GLM 5.3 Flash use 10; a clamp costs what none costs).
@@ -182,8 +183,10 @@ def run_model(model: SyntheticModel, recipe: str = "q2", layers: int | None = No
     if layers is None:
         layers = fitting_layers(model, recipe, cp.cuda.runtime.memGetInfo()[0])
     layers = min(layers, model.layers)
+    from ds4_backend_cuda.ops import numerics
+
     results = {"device": props["name"].decode(), "hbm_copy_bytes_per_s": bandwidth, "matmul_flop_per_s": rate,
-               "matmul_how": how,
+               "matmul_how": how, "numerics": numerics(),
                "decode": decode_results(model, recipe, layers, contexts, repeats, bandwidth)}
     pool.free_all_blocks()
     results["prefill"] = prefill_results(model, recipe, prefill_tokens, max(3, repeats // 4), rate)
@@ -195,6 +198,7 @@ def print_report(r: dict[str, Any]) -> None:
     """The results of :func:`run_model` as plain text on stdout."""
     d, gb = r["decode"], 1e9
     print(f"device: {r['device']}")
+    print_numerics(r["numerics"])
     print(f"HBM copy bandwidth (read+write): {r['hbm_copy_bytes_per_s'] / gb:.0f} GB/s; "
           f"matmul roof: {r['matmul_flop_per_s'] / 1e12:.0f} TFLOP/s ({r['matmul_how']})")
     print(f"{d['model']} decode step (batch 1), recipe {d['recipe']} ({d['recipe_formats']}), {d['layers']} of "

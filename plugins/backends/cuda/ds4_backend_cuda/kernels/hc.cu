@@ -8,6 +8,14 @@
 
 __device__ __forceinline__ float hc_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
+// v summed over the lanes that differ from this one in the bits FROM .. TO / 2 (powers of two).
+template <int FROM, int TO>
+__device__ __forceinline__ float butterfly_sum(float v) {
+#pragma unroll
+    for (int o = FROM; o < TO; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
 // One warp per token: lane r·N + k holds element (r, k) of the N×N combination (and lane + 32 the rest when
 // N·N > 32); rows and columns are summed with shuffles in index order, as the array form sums, or, when N is a power
 // of two with N·N <= 32 (the models' 4 streams), by butterflies: log2(N) shuffles a sum instead of N, which is most
@@ -44,9 +52,7 @@ __device__ void hc_split_warp(const float* __restrict__ m, const float* __restri
     constexpr bool BUTTERFLY = (N & (N - 1)) == 0 && N * N <= 32;  // rows: N aligned lanes; columns: stride N
     auto row_sums = [&]() {
         if constexpr (BUTTERFLY) {
-            sum[0] = c[0];
-#pragma unroll
-            for (int o = 1; o < N; o <<= 1) sum[0] += __shfl_xor_sync(0xffffffffu, sum[0], o);
+            sum[0] = butterfly_sum<1, N>(c[0]);
         } else {
 #pragma unroll
             for (int h = 0; h < H; ++h) sum[h] = 0.f;
@@ -58,9 +64,7 @@ __device__ void hc_split_warp(const float* __restrict__ m, const float* __restri
     };
     auto column_sums = [&]() {
         if constexpr (BUTTERFLY) {
-            sum[0] = c[0];
-#pragma unroll
-            for (int o = N; o < N * N; o <<= 1) sum[0] += __shfl_xor_sync(0xffffffffu, sum[0], o);
+            sum[0] = butterfly_sum<N, N * N>(c[0]);
         } else {
 #pragma unroll
             for (int h = 0; h < H; ++h) sum[h] = 0.f;
