@@ -23,6 +23,7 @@ def test_help_lists_the_three_models():
     assert result.exit_code == 0, result.output
     for name in MODELS:
         assert name in result.output
+    assert "DS4_CUDA_INT8=0" in result.output and "DS4_CUDA_PREFILL=32" in result.output
 
 
 def test_unknown_model_is_a_clear_usage_error():

@@ -19,7 +19,9 @@ MODEL_MODULES: dict[str, str] = {"deepseek4-flash": "synthetic_deepseek4", "glm5
                                  "qwen38-flash": "synthetic_qwen38"}
 
 
-@click.command("bench")
+@click.command("bench", epilog="The CUDA backend decodes with int8 activations and prefills on fp16/bf16 tensor "
+                                "cores; DS4_CUDA_INT8=0 and DS4_CUDA_PREFILL=32 measure its float32 paths. Each "
+                                "report names the arithmetic it measured.")
 @click.option("--synthetic", type=click.Choice(list(MODELS)), default="deepseek4-flash", show_default=True,
               help="Model shapes to synthesise in device memory (no file needed).")
 @click.option("--recipe", type=click.Choice(["q2", "q4", "mxfp4"]), default="q2", show_default=True,
