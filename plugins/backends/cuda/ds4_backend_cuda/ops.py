@@ -117,7 +117,7 @@ def _use_int8(int8: bool | None, qtype: str) -> bool:
 
 def _activation_launch(kernel: Any, columns: int) -> Any:
     """An integer kernel bound to the dynamic shared memory that holds ``columns`` int8 activation columns (codes,
-    half sums and scales: ``i8_act_bytes`` in quant_int8.cu), called like a ``cupy.RawKernel``."""
+    half sums and scales: ``I8Act`` in quant_int8.cu), called like a ``cupy.RawKernel``."""
     nbytes = columns + columns // 4 + columns // 8
     if nbytes > kernel.max_dynamic_shared_size_bytes:
         kernel.max_dynamic_shared_size_bytes = nbytes

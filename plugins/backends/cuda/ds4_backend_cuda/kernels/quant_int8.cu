@@ -8,17 +8,13 @@
 // per instruction, exact integer sums) and applies the weight and activation scales once per group: for the 2-bit
 // formats about 1.5-2 instructions per weight instead of 5 on the float path.
 
-// An int8 activation in shared memory: codes q[c], half sums s[c / 32] (first and second 16), scales d[c / 32].
+// An int8 activation in shared memory: codes q[c], half sums s[c / 32] (first and second 16), scales d[c / 32];
+// n columns take n + n / 4 + n / 8 bytes, in that order.
 struct I8Act {
     const signed char* q;
     const float2* s;
     const float* d;
 };
-
-// Shared bytes of the int8 activation of n columns (n a multiple of 32): codes, half sums, scales.
-__host__ __device__ constexpr int i8_act_bytes(int n) {
-    return n + n / 4 + n / 8;
-}
 
 // Columns 0 .. n - 1 of x (n a multiple of 32) quantized into shared memory at `smem` by all threads of the block:
 // a thread takes 8 columns, four neighbouring lanes a block of 32 (q = rint(x * 127 / max|x|)).
@@ -242,7 +238,7 @@ __device__ __forceinline__ I8Act block_activation(const float* __restrict__ x, i
 // y[r] = sum_c W[r, c] x[g(r), c] for one token, x[g] = x + g * ncols, g(r) = r / group_rows. A block is
 // GEMV_WARPS warps: GEMV_WARPS / KS groups of GEMV_ROWS rows, each row group split over KS warps by chunks and summed
 // in a fixed order; with KS = 1 the block makes P passes, each warp streaming its P row groups back to back (P = 1
-// when KS > 1). Dynamic shared memory: i8_act_bytes of the activations of the x groups a block's rows touch.
+// when KS > 1). Dynamic shared memory: the I8Act of the activations of the x groups a block's rows touch.
 template <class Q>
 __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_i8(
         const u8* __restrict__ w, long long row_bytes, int nrows, int ncols, const float* __restrict__ x,
@@ -293,7 +289,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_i8(
 
 // Routed-expert GEMV on int8 activations: y[p, r] = sum_c W_{idx[p]}[r, c] x[p / x_div, c]; a negative id
 // gives zeros. grid = (row blocks, P), GEMV_WARPS row groups of GEMV_ROWS rows; dynamic shared memory:
-// i8_act_bytes(ncols).
+// the I8Act of ncols columns.
 template <class Q>
 __global__ void __launch_bounds__(32 * GEMV_WARPS) moe_gemv_i8(
         const u8* __restrict__ w, long long expert_bytes, long long row_bytes, int nrows, int ncols,
