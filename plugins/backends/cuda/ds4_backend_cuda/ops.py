@@ -29,8 +29,9 @@ GEMV_MAX_TOKENS = 32
 MOE_PAIR_LIMIT = 64
 #: Elements dequantized per chunk on the float32 matmul path (bounds scratch memory to 256 MiB).
 DEQUANT_CHUNK = 1 << 26
-#: Prefill matmul precision: unset/"16" = fp16/bf16 tensor cores (prefill.py; attention products in TF32), about 9x
-#: faster; "32" = float32 sgemm on exact weights. tests/cuda/test_default_paths.py bounds what the 16-bit path moves.
+#: Prefill matmul precision: unset/"16" = fp16/bf16 tensor cores (prefill.py; attention products in TF32), 5x faster
+#: on a whole Flash model; "32" = float32 sgemm on exact weights. tests/cuda/test_default_paths.py bounds what the
+#: 16-bit path moves.
 PREFILL_ENV = "DS4_CUDA_PREFILL"
 #: Rows per warp and warps per block of the GEMV kernels (GEMV_ROWS, GEMV_WARPS in quant.cu).
 ROWS_PER_WARP = 4
