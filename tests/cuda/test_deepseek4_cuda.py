@@ -241,13 +241,35 @@ def test_fused_compressor_step_matches_its_composition(cuda_backend, tiny_gguf):
                 x = cuda_backend.asarray(rng.standard_normal((1, model.cfg.hidden_size), dtype=np.float32))
                 pos = cuda_backend.asarray(np.array([p], np.int32))
                 for o, cs in zip((ops, composed), states, strict=True):
-                    comp.step(o, x, pos, cs, inv_freq, None)
+                    comp.step(o, o.linear(x, comp.kv), o.linear(x, comp.gate), pos, cs, inv_freq, None)
                 fused, plain = ({k: cuda_backend.to_numpy(v) for k, v in attrs.asdict(cs, recurse=False).items()
                                  if v is not None and not isinstance(v, int)} for cs in states)
                 for name, want in plain.items():
                     np.testing.assert_allclose(fused[name], want, rtol=1e-5, atol=1e-5, err_msg=name)
     finally:
         gguf.close()
+
+
+def test_fused_index_select_chooses_the_references_rows(cuda_backend):
+    """``index_select`` (one rank-counting launch) gives exactly the numpy reference's rows and order: ties, -inf,
+    R below and above k, limits from 0 to R, rows split over several blocks, and a decode step's row of 16K
+    compressed rows (64K tokens at ratio 4) with Flash's k = 512."""
+    from ds4_backend_cuda import deepseek4_ops as cu
+    from ds4_model_deepseek4.ops import index_select
+
+    rng = np.random.default_rng(9)
+    for T, R, k in ((5, 7, 16), (4, 300, 64), (3, 1000, 512), (2, 600, 600), (1, 16384, 512)):
+        scores = rng.integers(-20, 20, (T, R)).astype(np.float32)  # many ties
+        scores[:, ::2] += rng.standard_normal((T, (R + 1) // 2)).astype(np.float32)
+        scores[rng.random((T, R)) < 0.1] = -np.inf
+        limit = rng.integers(0, R + 1, T).astype(np.int32)
+        limit[0] = R
+        if T > 1:
+            limit[-1] = 0
+        for offset in (0, 128):
+            got = cu.index_select(cuda_backend.asarray(scores), cuda_backend.asarray(limit), k, offset)
+            np.testing.assert_array_equal(cuda_backend.to_numpy(got), index_select(scores, limit, k, offset),
+                                          err_msg=f"T={T} R={R} k={k} offset={offset}")
 
 
 @pytest.mark.parametrize("int8", ["0", "1"])

@@ -96,13 +96,28 @@ def test_gemv_int8_within_the_rounding_bound(cuda_backend, qtype, nrows, ncols, 
     x = _activations(rng, 1, ncols)
     y = cuda_backend.xp.empty((1, nrows), dtype=np.float32)
     kernel, grid, block, args = gemv_launch(w.data, qtype, ncols, cuda_backend.asarray(x), 1, y, int8=True)
-    assert (int(args[-1]) > 1) == (nrows == 20000)  # passes per block
+    assert (int(args[8]) > 1) == (nrows == 20000)  # passes per block (the argument after the splits)
     kernel(grid, block, args)
     _check(cuda_backend.to_numpy(y), x, w_ref.data, mins)
 
 
 # A block's 32 rows span parts of three groups of 24 rows, or eight groups of 4; with 20000 rows blocks make
 # several passes and some straddle the two groups.
+def test_linears_int8_over_several_matrices(cuda_backend, monkeypatch, rng):
+    """The integer GEMV over rows that lie in three buffers (the last ends inside a warp's row group)."""
+    from ds4_backend_cuda import ops
+
+    monkeypatch.setenv(ops.INT8_ENV, "1")
+    ncols = 1024
+    pairs = [_pair(cuda_backend, "Q8_0", (r, ncols), rng) for r in (36, 64, 6)]
+    x = _activations(rng, 1, ncols)
+    got = ops.linears(cuda_backend.asarray(x), tuple(w for _, w, _ in pairs))
+    pooled: list[tuple[np.ndarray, float]] = []
+    for (w_ref, _, mins), y in zip(pairs, got, strict=True):
+        _check(cuda_backend.to_numpy(y), x, w_ref.data, mins, pooled)
+    _check_rms(np.concatenate([e for e, _ in pooled]), float(np.mean([p for _, p in pooled])))
+
+
 @pytest.mark.parametrize("groups, rows", [(4, 24), (12, 4), (2, 10000)])
 def test_grouped_gemv_int8(cuda_backend, groups, rows, rng):
     from ds4_backend_cuda.ops import gemv_launch

@@ -178,6 +178,41 @@ def test_sparse_attention_and_indexer(cuda_backend, with_sinks, T, K, rng):
     np.testing.assert_allclose(got, ref.indexer_scores(q, kv, hw, 0.3), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("qtypes", [("F16",) * 3, ("Q8_0",) * 3, ("F16", "Q8_0", "F16")])
+@pytest.mark.parametrize("T", [1, 3])
+def test_linears_of_one_input(cuda_backend, qtypes, T, rng):
+    """Several projections of one input in one launch: row counts that end segments inside a warp's row group, each
+    result its own matrix's product; mixed formats take one launch each."""
+    from ds4_backend_cuda import ops
+
+    ncols = 256
+    pairs = [_pair(cuda_backend, q, (r, ncols), rng) for q, r in zip(qtypes, (37, 64, 5), strict=True)]
+    x = rng.standard_normal((T, ncols)).astype(np.float32)
+    got = ops.linears(cuda_backend.asarray(x), tuple(w for _, w in pairs))
+    assert len(got) == len(pairs)
+    for (w_ref, _), y in zip(pairs, got, strict=True):
+        want = ref.linear(x, w_ref)
+        assert y.shape == want.shape
+        np.testing.assert_array_less(np.abs(cuda_backend.to_numpy(y) - want), _bound(x, w_ref.data))
+
+
+@pytest.mark.parametrize(("T", "K", "d"), [(1, 640, 512), (3, 100, 512), (1, 40, 1600), (2, 50, 42)])
+def test_sparse_attention_at_decode_shapes(cuda_backend, T, K, d, rng):
+    """Flash's 64 heads of 512 over a CSA layer's 640 rows (20 row tiles merged), a tile cut short, and heads too
+    wide for the few-token kernels' shared memory or not a multiple of 4 wide (the prefill path takes them)."""
+    from ds4_backend_cuda import ops
+
+    H, N = 64, 700
+    q = rng.standard_normal((T, H, d), dtype=np.float32)
+    kv = rng.standard_normal((N, d), dtype=np.float32)
+    idx = rng.integers(-1, N, (T, K)).astype(np.int32)
+    idx[0, :ops._ATTEND_ROWS] = -1  # a tile of masked rows
+    sinks_ref, sinks = _pair(cuda_backend, "F32", (H,), rng)
+    xp = cuda_backend.asarray
+    got = cuda_backend.to_numpy(ops.sparse_attention(xp(q), xp(kv), xp(idx), sinks, d ** -0.5))
+    np.testing.assert_allclose(got, ref.sparse_attention(q, kv, idx, sinks_ref, d ** -0.5), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_sparse_attention_in_token_passes(cuda_backend, with_sinks, rng, monkeypatch):
     """Prefill attention taken ATTEND_TOKENS queries at a time equals one pass and the oracle."""
@@ -197,22 +232,27 @@ def test_sparse_attention_in_token_passes(cuda_backend, with_sinks, rng, monkeyp
     np.testing.assert_allclose(got, ref.sparse_attention(q, kv, idx, sinks_ref, d ** -0.5), rtol=1e-4, atol=1e-5)
 
 
-def test_moe_route(cuda_backend, rng):
+@pytest.mark.parametrize(("T", "E", "k"), [(5, 16, 4), (1, 256, 6), (3, 40, 8)])
+def test_moe_route(cuda_backend, rng, T, E, k):
+    """Flash's 256 experts, a count that is not a whole number of warps, and ties (rounded logits, no bias)."""
     from ds4_backend_cuda import ops
 
-    logits = rng.standard_normal((5, 16), dtype=np.float32) * 4
-    bias_ref, bias = _pair(cuda_backend, "F32", (16,), rng)
+    logits = rng.standard_normal((T, E), dtype=np.float32) * 4
+    logits[:, ::3] = np.round(logits[:, ::3])
+    bias_ref, bias = _pair(cuda_backend, "F32", (E,), rng)
     xp = cuda_backend.asarray
-    for b_ref, b, fixed in ((bias_ref, bias, None), (None, None, rng.integers(0, 16, (5, 4)).astype(np.int32))):
-        idx, w = ops.moe_route(xp(logits), b, 4, 1.5, None if fixed is None else xp(fixed))
-        want_idx, want_w = ref.moe_route(logits, b_ref, 4, 1.5, fixed)
+    cases = ((bias_ref, bias, None), (None, None, None), (None, None, rng.integers(0, E, (T, k)).astype(np.int32)))
+    for b_ref, b, fixed in cases:
+        idx, w = ops.moe_route(xp(logits), b, k, 1.5, None if fixed is None else xp(fixed))
+        want_idx, want_w = ref.moe_route(logits, b_ref, k, 1.5, fixed)
         np.testing.assert_array_equal(cuda_backend.to_numpy(idx), want_idx)
         np.testing.assert_allclose(cuda_backend.to_numpy(w), want_w, rtol=1e-5)
 
 
 # n = 6: the Sinkhorn matrix spans two registers per lane and is summed lane by lane; n = 2, 4: by butterflies.
 # n · D a multiple of 1024 takes the fused mix (four column slices for (4, 256), 32 for (4, 2048), and for (6, 512)
-# 48 mix rows, more than a warp's lanes); the others the unfused one.
+# 48 mix rows, more than a warp's lanes); the others the unfused one. hc_pre_norm: one launch for (4, 256) and
+# (4, 2048), the composition for the others.
 @pytest.mark.parametrize("n, D", [(4, 64), (6, 64), (2, 64), (4, 256), (4, 2048), (6, 512)])
 def test_hc_and_deepseek4_ops(cuda_backend, n, D, rng):
     from ds4_backend_cuda import deepseek4_ops as cu
@@ -230,6 +270,10 @@ def test_hc_and_deepseek4_ops(cuda_backend, n, D, rng):
     got = hc.hc_pre(xp(S), fn, sc, base, 20, 1e-6, 1e-6)
     want = ops_hc.hc_pre(S, fn_ref, sc_ref, base_ref, 20, 1e-6, 1e-6)
     for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(host(g), w, rtol=1e-4, atol=1e-5)
+    norm_ref, norm = _pair(cuda_backend, "F32", (D,), rng)  # hc_pre then RMSNorm, fused for n = 4 with slices
+    fused = cu.hc_pre_norm(xp(S), fn, sc, base, 20, 1e-6, 1e-6, norm)
+    for g, w in zip(fused, dref.hc_pre_norm(S, fn_ref, sc_ref, base_ref, 20, 1e-6, 1e-6, norm_ref), strict=True):
         np.testing.assert_allclose(host(g), w, rtol=1e-4, atol=1e-5)
     y = rng.standard_normal((T, D), dtype=np.float32)
     np.testing.assert_allclose(host(hc.hc_post(xp(S), xp(y), got[1], got[2])),

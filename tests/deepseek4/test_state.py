@@ -180,6 +180,32 @@ def test_snapshot_restore_is_exact(model):
     assert state.n_tokens == 30 and other.n_tokens == 35
 
 
+def test_ring_and_compressed_rows_are_views_of_one_key_buffer_in_copies_too(model):
+    _, state = feed(model, [13])
+    snap = copy_state(state)
+    for original, copied in zip(state.layers, snap.layers, strict=True):
+        assert not np.shares_memory(original.keys, copied.keys)
+        for ls in (original, copied):
+            rows = ls.compressor.rows if ls.compressor is not None else np.zeros((0, TINY.head_dim), np.float32)
+            assert np.shares_memory(ls.raw, ls.keys) and (rows.size == 0 or np.shares_memory(rows, ls.keys))
+            np.testing.assert_array_equal(ls.keys, np.concatenate([ls.raw, rows]))
+    # the one-token step attends over the keys: a copy whose views came apart would decode otherwise
+    steps = [model.decode_step(IDS[13:14], np.array([13], np.int32), s)[0] for s in (state, snap)]
+    np.testing.assert_array_equal(*steps)
+    assert np.abs(state.layers[2].keys[TINY.sliding_window:]).sum() > 0
+
+
+def test_decode_step_without_aliasing_slices_concatenates_the_keys(model, one_by_one, monkeypatch):
+    from ds4_model_deepseek4 import state as state_module
+
+    monkeypatch.setattr(state_module, "slices_alias", lambda xp: False)  # as on MLX: raw and rows of their own
+    state = copy_state(model.new_state(64))
+    assert all(ls.keys is None for ls in state.layers)
+    out = [model.decode_step(IDS[p:p + 1], np.array([p], np.int32), state)[0] for p in range(len(IDS))]
+    np.testing.assert_allclose(np.concatenate(out), one_by_one, atol=1e-5 * np.abs(one_by_one).max())
+    assert model.state_nbytes(64) == sum(a.nbytes for a in _arrays(state))
+
+
 def test_feeding_past_the_context_raises(model):
     state = model.new_state(16)
     model.forward(IDS[:10], state)

@@ -13,8 +13,9 @@ import numpy as np
 
 from ds4_core.backend import Weight
 
+from .hc_ops import hc_pre_norm
 from .modules import glue_module
-from .ops import MOE_PAIR_LIMIT, linear, moe_gate_up_launch, swiglu, values
+from .ops import MAX_GRID_Y, MOE_PAIR_LIMIT, linear, linears, moe_gate_up_launch, swiglu, values
 
 F32 = cp.float32
 
@@ -101,9 +102,34 @@ def shared_expert(x: Any, gate: Weight, up: Weight, down: Weight, limit: float) 
     return linear(h, down)
 
 
+_SELECT_ENTRIES, _SELECT_SLICES = 32, 8  # the block of index_select (SELECT_* in kernels/select.cu)
+
+
+def index_select(scores: Any, limit: Any, k: int, offset: int) -> Any:
+    """The indexer's top-``k`` complete rows (``w < limit[t]``) of ``scores [T, R]`` plus ``offset``, ranked as
+    ``topk`` ranks them, ``-1`` where fewer are complete -> int32 ``[T, min(k, R)]``; ``ds4_model_deepseek4``'s
+    ``compose_index_select`` in one launch (``kernels/select.cu``), without host synchronisation. ``limit [T]`` is a
+    device int array."""
+    scores = cp.ascontiguousarray(scores, dtype=F32)
+    limit = cp.ascontiguousarray(limit, dtype=cp.int32)
+    T, n = scores.shape
+    k = min(k, n)
+    out = cp.empty((T, k), dtype=cp.int32)
+    kernel = glue_module().get_function("index_select")
+    for r0 in range(0, T if k else 0, MAX_GRID_Y):
+        rows = min(MAX_GRID_Y, T - r0)
+        kernel((-(-n // _SELECT_ENTRIES), rows), (_SELECT_ENTRIES, _SELECT_SLICES), (
+            scores[r0:r0 + rows], limit[r0:r0 + rows], np.int32(n), np.int32(k), np.int32(offset),
+            out[r0:r0 + rows]))
+    return out
+
+
 DEEPSEEK4_OPS = {
     "fp8_kv_round": fp8_kv_round,
     "fp4_hadamard_round": fp4_hadamard_round,
     "compress_step": compress_step,
     "shared_expert": shared_expert,
+    "index_select": index_select,
+    "linears": linears,
+    "hc_pre_norm": hc_pre_norm,
 }

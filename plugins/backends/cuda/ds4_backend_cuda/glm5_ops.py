@@ -8,7 +8,7 @@ import cupy as cp
 
 from ds4_core.backend import Weight
 
-from .ops import route_scores, route_weights, topk, values
+from .ops import route_scores, route_topk, route_weights, topk, values
 
 F32 = cp.float32
 
@@ -29,6 +29,10 @@ def moe_route_sigmoid(logits: Any, bias: Weight | None, k: int, routed_scale: fl
     among them win (ties to the lowest id). Weights: the unbiased scores, renormalised if ``normalize``, times
     ``routed_scale``. Device top-k and masks only (no sort, no scatter), so a decode step stays graph-capturable.
     """
+    if n_group <= 1:
+        routed = route_topk(logits, bias, 1, k, normalize, routed_scale)
+        if routed is not None:
+            return routed
     scores, choice = route_scores(logits, bias, 1)
     if n_group > 1:
         T, E = choice.shape

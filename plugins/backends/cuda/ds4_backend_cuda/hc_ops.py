@@ -20,6 +20,9 @@ from .ops import GEMV_TOKENS, linear, rms_norm, values, weighted_rows
 HC_MAX = 8
 #: Columns per block of ``mix_slices`` (kernels/quant.cu), the mix of a few tokens with its norm folded in.
 MIX_SLICE = 256
+#: ``hc_split_norm`` (kernels/hc.cu): its threads, streams, and widest stream (HC_NORM_THREADS, HC_NORM_STREAMS,
+#: 4 · HC_QUADS · HC_NORM_THREADS).
+HC_NORM_THREADS, HC_NORM_STREAMS, HC_NORM_COLUMNS = 256, 4, 4 * 4 * 256
 
 F32 = cp.float32
 
@@ -38,6 +41,23 @@ def _hc_mix(S: Any, fn: Weight, norm_eps: float) -> Any:
     return linear(rms_norm(S.reshape(S.shape[0], -1), None, norm_eps), fn)
 
 
+def _sliced(T: int, K: int) -> bool:
+    """Whether a decode step's mix of ``T`` tokens over ``K = n·D`` columns goes by column slices (``mix_slices``)."""
+    return T <= GEMV_TOKENS and K % (4 * MIX_SLICE) == 0
+
+
+def _mix_slices(S: Any, fn: Weight) -> tuple[int, Any, Any]:
+    """(slices, mix [T, M] to fill, part [T, M + 1, slices]): the column slices' products with ``fn`` and sums of
+    squares of the contiguous streams ``S [T, n, D]``, which ``hc_split`` finishes."""
+    T, n = S.shape[:2]
+    K, M = S[0].size, (2 + n) * n
+    slices, mix = K // MIX_SLICE, cp.empty((T, M), F32)
+    part = cp.empty((T, M + 1, slices), F32)
+    quant_kernel("mix_slices", fn.qtype)((slices, T), (256,), (
+        fn.data, np.int64(fn.data.shape[1]), np.int32(M), np.int32(K), S, part))
+    return slices, mix, part
+
+
 def hc_pre(S: Any, fn: Weight, scale: Weight, base: Weight, iters: int, eps: float,
            norm_eps: float) -> tuple[Any, Any, Any]:
     """``S [T, n, D]`` -> (``c [T, D]``, ``post [T, n]``, ``comb [T, n, n]``), Sinkhorn-balanced ``comb``.
@@ -46,15 +66,12 @@ def hc_pre(S: Any, fn: Weight, scale: Weight, base: Weight, iters: int, eps: flo
     T, n = S.shape[:2]
     _check_streams(n)
     S = cp.ascontiguousarray(S, dtype=F32)
-    K, M = S[0].size, (2 + n) * n
+    K = S[0].size
     pre, post, comb = cp.empty((T, n), F32), cp.empty((T, n), F32), cp.empty((T, n, n), F32)
     if T == 0:
         return cp.empty((0, S.shape[2]), F32), post, comb
-    if T <= GEMV_TOKENS and K % (4 * MIX_SLICE) == 0:  # decode: hc_split finishes the mix from the slices
-        slices, mix = K // MIX_SLICE, cp.empty((T, M), F32)
-        part = cp.empty((T, M + 1, slices), F32)
-        quant_kernel("mix_slices", fn.qtype)((slices, T), (256,), (
-            fn.data, np.int64(fn.data.shape[1]), np.int32(M), np.int32(K), S, part))
+    if _sliced(T, K):  # decode: hc_split finishes the mix from the slices
+        slices, mix, part = _mix_slices(S, fn)
     else:
         slices, mix = 0, cp.ascontiguousarray(_hc_mix(S, fn, norm_eps), dtype=F32)
         part = mix
@@ -63,6 +80,25 @@ def hc_pre(S: Any, fn: Weight, scale: Weight, base: Weight, iters: int, eps: flo
         cp.ascontiguousarray(values(base), dtype=F32), np.int32(T), np.int32(n), np.int32(iters), F32(eps), pre,
         post, comb))
     return weighted_rows(pre, S), post, comb
+
+
+def hc_pre_norm(S: Any, fn: Weight, scale: Weight, base: Weight, iters: int, eps: float, norm_eps: float,
+                norm: Weight) -> tuple[Any, Any, Any]:
+    """:func:`hc_pre`, then ``c`` RMSNormed with weight ``norm`` (eps ``norm_eps``): a decode step's few tokens of
+    four streams take one launch for the split, the collapse and the norm (``hc_split_norm``) after the mix's."""
+    T, n, D = S.shape
+    if not (0 < T and n == HC_NORM_STREAMS and D % 4 == 0 and D <= HC_NORM_COLUMNS and _sliced(T, n * D)):
+        c, post, comb = hc_pre(S, fn, scale, base, iters, eps, norm_eps)
+        return rms_norm(c, norm, norm_eps), post, comb
+    S = cp.ascontiguousarray(S, dtype=F32)
+    slices, mix, part = _mix_slices(S, fn)
+    pre, post, comb, out = (cp.empty((T, n), F32), cp.empty((T, n), F32), cp.empty((T, n, n), F32),
+                            cp.empty((T, D), F32))
+    glue_module().get_function("hc_split_norm")((T,), (HC_NORM_THREADS,), (
+        mix, part, np.int32(slices), np.int32(n * D), F32(norm_eps), cp.ascontiguousarray(values(scale), dtype=F32),
+        cp.ascontiguousarray(values(base), dtype=F32), np.int32(iters), F32(eps), pre, post, comb, S,
+        np.int32(D), cp.ascontiguousarray(values(norm), dtype=F32), out))
+    return out, post, comb
 
 
 def hc_post(S: Any, y: Any, post: Any, comb: Any) -> Any:

@@ -88,9 +88,10 @@ def recurrent_module() -> Any:
 #: attention and routing weights.
 GLUE_SOURCES: tuple[str, ...] = ("select.cu", "rows.cu", "hc.cu", "norm.cu", "attention.cu", "route.cu",
                                  "compress.cu")
-GLUE_KERNELS: tuple[str, ...] = ("topk_rank", "dot_rows", "mix_rows", "relu_head_sum", "hc_split", "hc_collapse",
-                                 "hc_expand", "rms_norm_rows", "rope_rows", "attend_scores", "attend_mix",
-                                 "attend_softmax", "route_scores", "route_weights", "compress_pool", "compress_finish")
+GLUE_KERNELS: tuple[str, ...] = ("topk_rank", "dot_rows", "mix_rows", "relu_head_sum", "hc_split", "hc_split_norm",
+                                 "hc_collapse", "hc_expand", "rms_norm_rows", "rope_rows", "attend_rows",
+                                 "attend_merge", "attend_softmax", "route_scores", "route_weights", "route_topk",
+                                 "compress_pool", "compress_finish", "index_select")
 
 
 @functools.cache

@@ -135,17 +135,19 @@ def _act_groups(rows_per_block: int, group_rows: int, groups: int) -> int:
 
 
 def gemv_launch(raw: Any, qtype: str, ncols: int, x: Any, ntok: int, y: Any, x_stride: int | None = None,
-                group_rows: int | None = None, *,
-                int8: bool | None = None) -> tuple[Any, tuple[int, ...], tuple[int, ...], tuple]:
+                group_rows: int | None = None, *, int8: bool | None = None,
+                segments: tuple[Any, int] | None = None) -> tuple[Any, tuple[int, ...], tuple[int, ...], tuple]:
     """(kernel, grid, block, args) of ``y[t, r] = W[r] . x[t]`` for ``t < ntok <= GEMV_TOKENS``.
 
     ``raw``: ``[R, row bytes]``; ``x``: float32 with token ``t`` at ``x[t * x_stride:]`` (default ``ncols``);
     ``y``: float32 ``[ntok, R]``. ``group_rows`` (a multiple of :data:`ROWS_PER_WARP`): row ``r`` reads the
     activation ``x[t * x_stride + (r // group_rows) * ncols:]`` (a block-diagonal projection). ``int8`` (default
     :func:`int8_enabled`), one token and a format of :data:`~.modules.INT8_TYPES`: the ``__dp4a`` GEMV, which
-    quantizes the activation into int8 blocks of 32 on the way in (``x`` 16-byte aligned).
+    quantizes the activation into int8 blocks of 32 on the way in (``x`` 16-byte aligned). ``segments``: W's
+    ``R`` rows lie in several buffers of ``raw``'s row width, ``(table, R)`` from :func:`_segment_table`.
     """
-    nrows = raw.shape[0]
+    nrows = raw.shape[0] if segments is None else segments[1]
+    segs = (np.uint64(0), _i32(1)) if segments is None else (segments[0], _i32(segments[0].size // 2))
     if ntok == 1 and _use_int8(int8, qtype):
         group_rows = nrows if group_rows is None else group_rows
         splits = _splits(qtype, nrows, ncols, _CHUNK_BLOCKS_I8[qtype], _WAVES_I8)
@@ -154,14 +156,14 @@ def gemv_launch(raw: Any, qtype: str, ncols: int, x: Any, ntok: int, y: Any, x_s
         passes = _passes(blocks) if splits == 1 else 1
         groups = _act_groups(rows_per_pass * passes, group_rows, -(-nrows // group_rows))
         args = (raw, _i64(raw.shape[1]), _i32(nrows), _i32(ncols), x, _i32(group_rows), y, _i32(splits),
-                _i32(passes))
+                _i32(passes), *segs)
         kernel = _activation_launch(quant_kernel("gemv1_i8", qtype), groups * ncols)
         return kernel, (-(-blocks // passes),), (32 * WARPS_PER_BLOCK,), args
     splits = _splits(qtype, nrows, ncols)
     rows_per_block = WARPS_PER_BLOCK // splits * ROWS_PER_WARP
     kernel = quant_kernel("gemv1" if ntok == 1 else "gemv8", qtype)
     args = (raw, _i64(raw.shape[1]), _i32(nrows), _i32(ncols), x, _i64(ncols if x_stride is None else x_stride),
-            _i32(nrows if group_rows is None else group_rows), _i32(ntok), y, _i32(splits))
+            _i32(nrows if group_rows is None else group_rows), _i32(ntok), y, _i32(splits), *segs)
     return kernel, (-(-nrows // rows_per_block),), (32 * WARPS_PER_BLOCK,), args
 
 
@@ -265,6 +267,39 @@ def linear(x: Any, w: Weight) -> Any:
     return y.reshape(*lead, w.shape[0])
 
 
+@functools.cache
+def _segment_table(rows: tuple[int, ...], addresses: tuple[int, ...]) -> Any:
+    """Device int64 pairs (first row, base address) of buffers holding ``rows`` rows each, for ``row_at`` in
+    kernels/quant.cu. Built once per set of weights, outside CuPy's pools: a decode step's first run allocates in a
+    private pool that its CUDA graph owns."""
+    starts = np.cumsum((0, *rows[:-1]))
+    table = np.array([v for pair in zip(starts, addresses, strict=True) for v in pair], dtype=np.int64)
+    memory = cp.cuda.MemoryPointer(cp.cuda.Memory(table.nbytes), 0)
+    memory.copy_from_host(table.ctypes.data, table.nbytes)
+    return cp.ndarray(table.shape, cp.int64, memory)
+
+
+def linears(x: Any, weights: tuple[Weight, ...]) -> tuple[Any, ...]:
+    """``x @ w.T`` for each of ``weights`` (``[out_i, in]``): ``x [..., in]`` -> ``[..., out_i]`` each. A few tokens
+    and one format: one GEMV launch over the matrices' rows in turn (launches, not bytes, are what the small
+    projections of a decode step cost); else one linear each."""
+    lead, ncols = x.shape[:-1], x.shape[-1]
+    T = int(np.prod(lead))
+    first = weights[0]
+    if not (0 < T <= GEMV_TOKENS and ncols % 8 == 0 and len(weights) > 1
+            and all(w.qtype == first.qtype and w.shape[1:] == first.shape[1:] and len(w.shape) == 2
+                    and w.data.shape[1] == first.data.shape[1] for w in weights)):
+        return tuple(linear(x, w) for w in weights)
+    rows = tuple(w.shape[0] for w in weights)
+    table = _segment_table(rows, tuple(w.data.data.ptr for w in weights))
+    out = cp.empty((T, sum(rows)), dtype=F32)
+    kernel, grid, block, args = gemv_launch(first.data, first.qtype, ncols, cp.ascontiguousarray(x, dtype=F32), T,
+                                            out, segments=(table, sum(rows)))
+    kernel(grid, block, args)
+    ends = np.cumsum(rows)
+    return tuple(out[:, end - r:end].reshape(*lead, r) for end, r in zip(ends, rows, strict=True))
+
+
 def grouped_linear(x: Any, w: Weight) -> Any:
     """Block-diagonal projection: ``x [T, G, in]``, ``w [G·out, in]`` or ``[G, out, in]`` -> ``[T, G, out]``."""
     T, groups, ncols = x.shape
@@ -334,7 +369,8 @@ def swiglu(gate: Any, up: Any, limit: float) -> Any:
 
 
 _SELECT_THREADS = 256
-_MAX_GRID_Y = 65535
+#: Most blocks a launch takes along grid y.
+MAX_GRID_Y = 65535
 
 
 def topk(scores: Any, k: int) -> Any:
@@ -345,8 +381,8 @@ def topk(scores: Any, k: int) -> Any:
     k = min(k, n)
     out = cp.empty((T, k), dtype=cp.int32)
     kernel = glue_module().get_function("topk_rank")
-    for r0 in range(0, T if k else 0, _MAX_GRID_Y):
-        rows = min(_MAX_GRID_Y, T - r0)
+    for r0 in range(0, T if k else 0, MAX_GRID_Y):
+        rows = min(MAX_GRID_Y, T - r0)
         kernel((-(-n // _SELECT_THREADS), rows), (_SELECT_THREADS,), (scores[r0:r0 + rows], _i32(n), _i32(k),
                out[r0:r0 + rows]), shared_mem=_SELECT_THREADS * 4)
     return out
@@ -382,8 +418,11 @@ def contract_mix(p: Any, b: Any) -> Any:
     return _contract("mix_rows", p, b, b.shape[-2], b.shape[-1])
 
 
-#: Heads that one block of ``attend_mix`` serves (ATTEND_HEADS in kernels/attention.cu).
-_ATTEND_HEADS = 8
+#: Heads and rows that one block of ``attend_rows`` takes (ATTEND_HEADS, ATTEND_ROWS in kernels/attention.cu).
+_ATTEND_HEADS, _ATTEND_ROWS = 8, 32
+#: Widest head the few-token kernels take (a multiple of 4 wide): ``attend_rows`` holds its block's heads of q in
+#: 48 KB of shared memory.
+_ATTEND_MAX_D = 48 * 1024 // (4 * _ATTEND_HEADS)
 #: Query tokens per pass of the prefill attention: their gathered rows ([tokens, K, d] float32) are its scratch,
 #: 0.67 GB at DeepSeek V4 Flash's K = 640 rows of 512 values.
 ATTEND_TOKENS = 512
@@ -392,25 +431,26 @@ ATTEND_TOKENS = 512
 def sparse_attention(q: Any, kv: Any, idx: Any, sinks: Weight | None, scale: float) -> Any:
     """Multi-query attention of each query ``q [T, H, d]`` over its rows ``idx [T, K]`` of ``kv [N, d]``.
 
-    Few tokens: two launches (``kernels/attention.cu``); prefill: each query's rows gathered, then two batched
-    cuBLAS products around one softmax launch (TF32 under the 16-bit prefill)."""
+    Few tokens: two launches split over the rows (``kernels/attention.cu``); prefill: each query's rows gathered,
+    then two batched cuBLAS products around one softmax launch (TF32 under the 16-bit prefill)."""
     T, H, d = q.shape
     K = idx.shape[1]
-    if 0 < T <= GEMV_TOKENS and K > 0:
+    sink = np.uint64(0) if sinks is None else cp.ascontiguousarray(values(sinks), dtype=F32)
+    if 0 < T <= GEMV_TOKENS and K > 0 and d % 4 == 0 and d <= _ATTEND_MAX_D:
         q, kv = cp.ascontiguousarray(q, dtype=F32), cp.ascontiguousarray(kv, dtype=F32)
         idx = cp.ascontiguousarray(idx, dtype=cp.int32)
-        logits, out = cp.empty((T, H, K), dtype=F32), cp.empty((T, H, d), dtype=F32)
+        tiles = -(-K // _ATTEND_ROWS)
+        part, stats = cp.empty((T, H, tiles, d), dtype=F32), cp.empty((T, H, tiles, 2), dtype=F32)
+        out = cp.empty((T, H, d), dtype=F32)
         module = glue_module()
-        module.get_function("attend_scores")((-(-K // 8), H, T), (256,), (
-            q, kv, idx, _i32(H), _i32(K), _i32(d), F32(scale), logits))
-        sink = np.uint64(0) if sinks is None else cp.ascontiguousarray(values(sinks), dtype=F32)
-        module.get_function("attend_mix")((-(-d // 32), -(-H // _ATTEND_HEADS), T), (32 * _ATTEND_HEADS,), (
-            logits, kv, idx, sink, _i32(H), _i32(K), _i32(d), out))
+        module.get_function("attend_rows")((tiles, -(-H // _ATTEND_HEADS), T), (32 * _ATTEND_HEADS,), (
+            q, kv, idx, _i32(H), _i32(K), _i32(d), F32(scale), part, stats), shared_mem=4 * _ATTEND_HEADS * d)
+        module.get_function("attend_merge")((-(-d // 128), H, T), (128,), (
+            part, stats, sink, _i32(H), _i32(tiles), _i32(d), out), shared_mem=4 * tiles)
         return out
     q = cp.ascontiguousarray(q, dtype=F32)
     idx = cp.ascontiguousarray(idx, dtype=cp.int32)
     kv = cp.ascontiguousarray(kv, dtype=F32)
-    sink = np.uint64(0) if sinks is None else cp.ascontiguousarray(values(sinks), dtype=F32)
     out = cp.empty((T, H, d), dtype=F32)
     for t0 in range(0, T, ATTEND_TOKENS):
         t1 = min(T, t0 + ATTEND_TOKENS)
@@ -458,9 +498,28 @@ def route_weights(scores: Any, idx: Any, normalize: bool, routed_scale: float) -
     return w
 
 
+def route_topk(logits: Any, bias: Weight | None, kind: int, k: int, normalize: bool,
+               routed_scale: float) -> tuple[Any, Any] | None:
+    """:func:`route_scores`, :func:`topk` of the choice and :func:`route_weights` in one launch (``route_topk``)
+    when a block's threads can take the ``E`` experts; else None."""
+    T, E = logits.shape
+    if not (0 < k <= E <= 1024 and T > 0):
+        return None
+    idx, w = cp.empty((T, k), dtype=cp.int32), cp.empty((T, k), dtype=F32)
+    b = np.uint64(0) if bias is None else cp.ascontiguousarray(values(bias), dtype=F32)
+    glue_module().get_function("route_topk")((T,), (-(-E // 32) * 32,), (
+        cp.ascontiguousarray(logits, dtype=F32), b, _i32(kind), _i32(E), _i32(k), _i32(int(normalize)),
+        F32(routed_scale), idx, w), shared_mem=4 * (E + k))
+    return idx, w
+
+
 def moe_route(logits: Any, bias: Weight | None, k: int, routed_scale: float,
               fixed_idx: Any = None) -> tuple[Any, Any]:
     """sqrt-softplus router: ``logits [T, E]`` -> (expert ids int32 ``[T, k]``, weights ``[T, k]``)."""
+    if fixed_idx is None:
+        routed = route_topk(logits, bias, 0, k, True, routed_scale)
+        if routed is not None:
+            return routed
     scores, choice = route_scores(logits, bias, 0)
     idx = topk(choice, k) if fixed_idx is None else cp.asarray(fixed_idx, dtype=cp.int32)
     return idx, route_weights(scores, idx, True, routed_scale)

@@ -17,11 +17,10 @@ from ds4_core.errors import BackendError
 from ds4_core.ops_recurrent import DELTA_CHUNK
 
 from .modules import DELTA_RULE_DK, recurrent_module
-from .ops import values
+from .ops import MAX_GRID_Y, values
 
 F32 = cp.float32
 _CONV_THREADS = 128
-_MAX_GRID_Y = 65535
 #: Value columns per block of the delta-rule kernel (one warp: more blocks spread the heads over the SMs).
 _DELTA_COLUMNS = 32
 
@@ -42,7 +41,7 @@ def short_conv(x: Any, history: Any, weight: Weight, dilation: int = 1) -> tuple
     new_history = cp.empty((span, C), dtype=F32)
     rows = max(T, span)
     if rows and C:
-        grid = (-(-C // _CONV_THREADS), min(rows, _MAX_GRID_Y))
+        grid = (-(-C // _CONV_THREADS), min(rows, MAX_GRID_Y))
         recurrent_module().get_function("short_conv")(
             grid, (_CONV_THREADS,),
             (_f32(x), _f32(history), _f32(values(weight)), np.int32(T), np.int32(C), np.int32(taps),

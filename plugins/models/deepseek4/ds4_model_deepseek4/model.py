@@ -88,15 +88,29 @@ class Compressor:
         cs.rows[first:first + n_win] = rows
         return cs.rows[:first + n_win]
 
-    def step(self, ops: Ops, x: Any, pos: Any, cs: CompressorState, inv_freq: Any, finish: RowHook | None) -> Any:
-        """One token ``x [1, D]`` at the device position ``pos [1]``: buffer it in slot ``pos mod m`` and emit the
-        window's row when this token completes it. Returns all ``ctx // m`` row slots; rows of windows not yet
-        complete are stale, and callers mask them by position."""
-        args = (ops.linear(x, self.kv), ops.linear(x, self.gate), self.ape, pos, cs.buf_kv, cs.buf_gate, cs.prev_kv,
-                cs.prev_gate, cs.rows, self.norm, self.eps, inv_freq)
+    def step(self, ops: Ops, kv: Any, gate: Any, pos: Any, cs: CompressorState, inv_freq: Any,
+             finish: RowHook | None) -> Any:
+        """One token's projections ``kv``, ``gate [1, width]`` (by :attr:`kv` and :attr:`gate`) at the device position
+        ``pos [1]``: buffer them in slot ``pos mod m`` and emit the window's row when this token completes it.
+        Returns all ``ctx // m`` row slots; rows of windows not yet complete are stale, and callers mask them by
+        position."""
+        args = (kv, gate, self.ape, pos, cs.buf_kv, cs.buf_gate, cs.prev_kv, cs.prev_gate, cs.rows, self.norm,
+                self.eps, inv_freq)
         if finish is None and ops.has("compress_step"):  # a backend's own launches for the whole step
             return ops.compress_step(*args)
         return compose_compress_step(ops, *args, finish)
+
+
+def project(ops: Ops, x: Any, weights: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``x [T, D]`` through each of ``weights`` (``[R_i, D]``) -> ``[T, R_i]`` each: the op ``linears`` where the
+    backend has it (a decode step's small projections of one input cost launches more than bytes)."""
+    return ops.linears(x, weights) if ops.has("linears") else compose_linears(ops, x, weights)
+
+
+def compose_linears(ops: Ops, x: Any, weights: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Projections of one input from core ops, the definition of the op ``linears``: ``linear(x, w)`` for each of
+    ``weights``."""
+    return tuple(ops.linear(x, w) for w in weights)
 
 
 def compose_compress_step(ops: Ops, kv_row: Any, gate_row: Any, ape: Any, pos: Any, buf_kv: Any, buf_gate: Any,
@@ -139,28 +153,39 @@ class Indexer:
         self.proj = w.get(f"{blk}.indexer.proj.weight", (self.nih, cfg.hidden_size), FLOAT)
         self.compressor = Compressor(w, ops, f"{blk}.indexer_compressor", cfg, m, self.ih, overlap=True)
 
-    def select(self, ops: Ops, x: Any, qr: Any, pos: Any, keys: Any, limit: Any, inv_freq: Any,
-               finish: RowHook | None) -> Any:
-        """Top-k compressed rows per query, ``[T, topk]`` int (``-1`` = none), among rows ``w < limit[t]``.
+    def select(self, ops: Ops, head_w: Any, qr: Any, pos: Any, keys: Any, limit: Any, inv_freq: Any,
+               finish: RowHook | None, offset: int) -> Any:
+        """Top-k compressed rows per query plus ``offset``, ``[T, min(topk, R)]`` int32 (``-1`` = none), among rows
+        ``w < limit[t]``.
 
-        ``x [T, D]`` attention input, ``qr [T, q_lora]`` normalised query latent, ``keys [R, ih]`` indexer rows.
+        ``head_w [T, nih]`` the attention input through :attr:`proj`, ``qr [T, q_lora]`` normalised query latent,
+        ``keys [R, ih]`` indexer rows.
         """
-        xp, T = ops.xp, x.shape[0]
+        T = qr.shape[0]
         q = ops.rope(ops.linear(qr, self.attn_q_b).reshape(T, self.nih, self.ih), pos, inv_freq)
         if finish is not None:
             q = finish(q)
-        head_w = ops.linear(x, self.proj) * np.float32(self.nih ** -0.5)
-        scores = ops.indexer_scores(q, keys, head_w, self.ih ** -0.5)
-        scores = xp.where(xp.arange(keys.shape[0])[None, :] < limit[:, None], scores, -xp.inf)
-        sel = ops.topk(scores, self.topk)
-        return xp.where(sel < limit[:, None], sel, -1)  # rows w < limit are complete
+        # the head weights' scale nih^-1/2 rides on the scores' scale: one launch fewer
+        scores = ops.indexer_scores(q, keys, head_w, (self.ih * self.nih) ** -0.5)
+        select = ops.index_select if ops.has("index_select") else functools.partial(compose_index_select, ops)
+        return select(scores, limit, self.topk, offset)
+
+
+def compose_index_select(ops: Ops, scores: Any, limit: Any, k: int, offset: int) -> Any:
+    """The indexer's choice from core ops, the definition of the op ``index_select``: of the rows ``w < limit[t]``
+    of ``scores [T, R]`` (the complete ones), the ``k`` best by score (ties to the lowest index, as ``topk``), plus
+    ``offset``; ``-1`` where fewer than ``k`` rows are complete -> int32 ``[T, min(k, R)]``."""
+    xp = ops.xp
+    complete = xp.arange(scores.shape[1], dtype=xp.int32)[None, :] < limit[:, None]
+    sel = ops.topk(xp.where(complete, scores, -xp.inf), k)
+    return xp.where(sel < limit[:, None], sel + offset, -1)  # Python ints keep sel's int32
 
 
 class StepIndex:
     """The index arrays of a one-token step that every layer shares, made once per step instead of once per layer
-    (each is a few small launches): the ring slot of the new raw row, the window's positions among the attention
-    rows, and per compression ratio the complete-window limit and, for layers without an indexer, the visible rows
-    with their positions."""
+    (each is a few small launches): the ring slot of the new raw row, the window's rows of a layer's keys
+    (``LayerState.keys``), and per compression ratio the complete-window limit and, for layers without an indexer,
+    the window's and every complete compressed row's rows of the keys."""
 
     def __init__(self, xp: Any, pos: Any, window: int):
         self.xp, self.pos, self.W = xp, pos, window
@@ -169,7 +194,7 @@ class StepIndex:
         held = pos - (pos - slots) % window  # the position ring slot s holds after this write (< 0: none yet)
         self.window = xp.where(held >= 0, slots, -1)[None]
         self._limits: dict[int, Any] = {}
-        self._dense: dict[tuple[int, int], tuple[Any, Any]] = {}
+        self._dense: dict[tuple[int, int], Any] = {}
 
     def limit(self, m: int) -> Any:
         """``[1]``: compressed rows ``w < limit`` are complete (ratio ``m``)."""
@@ -177,15 +202,14 @@ class StepIndex:
             self._limits[m] = (self.pos + 1) // m
         return self._limits[m]
 
-    def dense(self, m: int, n_rows: int) -> tuple[Any, Any]:
-        """(row of each visible slot to gather, the window's and those rows' attention positions ``[1, W + n]``)
-        when every complete row of the ``n_rows`` slots of ratio ``m`` is visible."""
+    def dense(self, m: int, n_rows: int) -> Any:
+        """``[1, W + n_rows]``: the rows of the keys a query reads when every complete one of the ``n_rows``
+        compressed rows of ratio ``m`` is visible: the window's, then ``W + w`` for complete rows w (else -1)."""
         if (m, n_rows) not in self._dense:
             xp = self.xp
             w = xp.arange(n_rows, dtype=xp.int32)[None, :]  # int32 like the window's part: no casts
-            sel = xp.where(w < self.limit(m)[:, None], w, -1)
-            part = xp.where(sel >= 0, self.W + w, -1)
-            self._dense[m, n_rows] = (xp.maximum(sel[0], 0), xp.concatenate([self.window, part], axis=1))
+            part = xp.where(w < self.limit(m)[:, None], self.W + w, -1)
+            self._dense[m, n_rows] = xp.concatenate([self.window, part], axis=1)
         return self._dense[m, n_rows]
 
 
@@ -236,47 +260,53 @@ class Attention:
         if self.compressor is not None:
             rows = self.compressor(ops, x, pos, ls.compressor, p0, self.inv_freq, self.kv_finish)
             limit = (pos + 1) // self.m  # rows w < limit[t] are complete for query t
+            offset = n_prev + T  # compressed row w is row offset + w of the keys
             sel = None
             if self.indexer is not None:
                 index_rows = self.indexer.compressor(ops, x, pos, ls.indexer, p0, self.inv_freq, self.index_finish)
                 if rows.shape[0] > self.indexer.topk:
-                    sel = self.indexer.select(ops, x, qr, pos, index_rows, limit, self.inv_freq, self.index_finish)
+                    sel = self.indexer.select(ops, ops.linear(x, self.indexer.proj), qr, pos, index_rows, limit,
+                                              self.inv_freq, self.index_finish, offset)
             if sel is None:  # every complete row is visible
                 w = xp.arange(rows.shape[0])[None, :]
-                sel = xp.where(w < limit[:, None], w, -1)
+                sel = xp.where(w < limit[:, None], w + offset, -1)
             keys.append(rows)
-            parts.append(xp.where(sel >= 0, sel + n_prev + T, -1))
+            parts.append(sel)
         return self._attend(ops, q, xp.concatenate(keys), xp.concatenate(parts, axis=1), pos)
 
     def step(self, ops: Ops, x: Any, pos: Any, ls: LayerState, index: StepIndex) -> Any:
         """One token ``x [1, D]`` at the device position ``pos [1]`` -> ``[1, D]``; advances ``ls``.
 
         Shapes depend only on the context: the query reads every ring slot that holds a position in its window
-        and (CSA/HCA) the selected compressed rows, with the complete-window mask computed from ``pos``."""
-        xp = ops.xp
+        and (CSA/HCA) the selected compressed rows, with the complete-window mask computed from ``pos``, all rows
+        of the layer's one key buffer ``ls.keys`` (so nothing is gathered or concatenated but the indices)."""
         qr, q, kv = self._project(ops, x, pos)
         ls.raw[index.slot] = kv
         if self.compressor is None:
             return self._attend(ops, q, ls.raw, index.window, pos)
-        rows = self.compressor.step(ops, x, pos, ls.compressor, self.inv_freq, self.kv_finish)
+        weights = (self.compressor.kv, self.compressor.gate)
+        if self.indexer is not None:
+            weights += (self.indexer.compressor.kv, self.indexer.compressor.gate, self.indexer.proj)
+        proj = project(ops, x, weights)  # every projection of x the compressors and the indexer need
+        rows = self.compressor.step(ops, *proj[:2], pos, ls.compressor, self.inv_freq, self.kv_finish)  # into ls.keys
         if self.indexer is None:
-            gather, parts = index.dense(self.m, rows.shape[0])
+            parts = index.dense(self.m, rows.shape[0])
         else:
-            index_rows = self.indexer.compressor.step(ops, x, pos, ls.indexer, self.inv_freq, self.index_finish)
-            sel = self.indexer.select(ops, x, qr, pos, index_rows, index.limit(self.m), self.inv_freq,
-                                      self.index_finish)
-            gather = xp.maximum(sel[0], 0)
-            slots = index.W + xp.arange(sel.shape[1], dtype=xp.int32)
-            parts = xp.concatenate([index.window, xp.where(sel >= 0, slots, -1)], axis=1)
-        return self._attend(ops, q, xp.concatenate([ls.raw, rows[gather]]), parts, pos)
+            index_rows = self.indexer.compressor.step(ops, *proj[2:4], pos, ls.indexer, self.inv_freq,
+                                                      self.index_finish)
+            sel = self.indexer.select(ops, proj[4], qr, pos, index_rows, index.limit(self.m), self.inv_freq,
+                                      self.index_finish, index.W)
+            parts = ops.xp.concatenate([index.window, sel], axis=1)
+        return self._attend(ops, q, ls.attention_keys(ops.xp), parts, pos)
 
     def _project(self, ops: Ops, x: Any, pos: Any) -> tuple[Any, Any, Any]:
         """(normalised query latent ``[T, q_lora]``, RoPE'd queries ``[T, H, hd]``, the K=V rows ``[T, hd]``)."""
         cfg, T, eps = self.cfg, x.shape[0], self.cfg.rms_norm_eps
-        qr = ops.rms_norm(ops.linear(x, self.attn_q_a), self.attn_q_a_norm, eps)
+        q_low, kv = project(ops, x, (self.attn_q_a, self.attn_kv))
+        qr = ops.rms_norm(q_low, self.attn_q_a_norm, eps)
         q = ops.rms_norm(ops.linear(qr, self.attn_q_b).reshape(T, cfg.num_heads, cfg.head_dim), None, eps)
         q = ops.rope(q, pos, self.inv_freq)
-        kv = ops.rope(ops.rms_norm(ops.linear(x, self.attn_kv), self.attn_kv_a_norm, eps), pos, self.inv_freq)
+        kv = ops.rope(ops.rms_norm(kv, self.attn_kv_a_norm, eps), pos, self.inv_freq)
         if self.kv_finish is not None:
             kv = self.kv_finish(kv)
         return qr, q, kv
@@ -327,6 +357,15 @@ def compose_shared_expert(ops: Ops, x: Any, gate: Any, up: Any, down: Any, limit
     return ops.linear(ops.swiglu(ops.linear(x, gate), ops.linear(x, up), limit), down)
 
 
+def compose_hc_pre_norm(ops: Ops, S: Any, fn: Any, scale: Any, base: Any, iters: int, eps: float, norm_eps: float,
+                        norm: Any) -> tuple[Any, Any, Any]:
+    """A sub-layer's input from core ops, the definition of the op ``hc_pre_norm``: ``hc_pre`` of the streams
+    ``S [T, n, D]``, its collapsed row RMSNormed with weight ``norm`` (eps ``norm_eps``) -> (``[T, D]``, post,
+    comb)."""
+    c, post, comb = ops.hc_pre(S, fn, scale, base, iters, eps, norm_eps)
+    return ops.rms_norm(c, norm, norm_eps), post, comb
+
+
 class Block:
     """One decoder layer: hyper-connection around attention, then around the MoE (spec §3–4)."""
 
@@ -348,11 +387,11 @@ class Block:
         the step's shared ``index``)."""
         cfg = self.cfg
         hc = (cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
-        c, post, comb = ops.hc_pre(S, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, *hc)
-        y = self.attn(ops, ops.rms_norm(c, self.attn_norm, cfg.rms_norm_eps), pos, ls, p0, index)
-        S = ops.hc_post(S, y, post, comb)
-        c, post, comb = ops.hc_pre(S, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, *hc)
-        return ops.hc_post(S, self.ffn(ops, ops.rms_norm(c, self.ffn_norm, cfg.rms_norm_eps), ids), post, comb)
+        pre = ops.hc_pre_norm if ops.has("hc_pre_norm") else functools.partial(compose_hc_pre_norm, ops)
+        x, post, comb = pre(S, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, *hc, self.attn_norm)
+        S = ops.hc_post(S, self.attn(ops, x, pos, ls, p0, index), post, comb)
+        x, post, comb = pre(S, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, *hc, self.ffn_norm)
+        return ops.hc_post(S, self.ffn(ops, x, ids), post, comb)
 
 
 class DeepSeekV4Model:

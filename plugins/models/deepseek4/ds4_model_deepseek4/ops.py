@@ -1,5 +1,5 @@
-"""DeepSeek-V4-only ops (numpy references): the QAT roundings of spec §10, the fused compressor step and shared
-expert.
+"""DeepSeek-V4-only ops (numpy references): the QAT roundings of spec §10, the fused compressor step, shared
+expert, indexer selection, projections of one input and a sub-layer's normalised input.
 
 Registered for backend ``"numpy"`` through ``register_kernels`` (names in :mod:`.opnames`). The
 hyper-connection and compressor-pool ops the graph also uses are core ops (:mod:`ds4_core.ops_hc`).
@@ -14,7 +14,13 @@ from ds4_core.backend import Ops
 from ds4_core.backends.numpy import NumpyBackend
 from ds4_core.ops import CORE_OPS
 
-from .model import compose_compress_step, compose_shared_expert
+from .model import (
+    compose_compress_step,
+    compose_hc_pre_norm,
+    compose_index_select,
+    compose_linears,
+    compose_shared_expert,
+)
 from .qat import fp4_hadamard_round, fp8_kv_round
 
 _NUMPY_OPS = Ops(NumpyBackend(), CORE_OPS)
@@ -34,9 +40,32 @@ def shared_expert(x: Any, gate: Any, up: Any, down: Any, limit: float) -> Any:
     return compose_shared_expert(_NUMPY_OPS, x, gate, up, down, limit)
 
 
+def index_select(scores: Any, limit: Any, k: int, offset: int) -> Any:
+    """The indexer's top-``k`` complete rows (``w < limit[t]``) of ``scores [T, R]`` plus ``offset``, ``-1`` where
+    fewer are complete -> int32 ``[T, min(k, R)]`` (:func:`.model.compose_index_select` over the core numpy ops), the
+    reference of backends that choose them in one launch."""
+    return compose_index_select(_NUMPY_OPS, scores, limit, k, offset)
+
+
+def linears(x: Any, weights: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``x`` through each of ``weights`` (:func:`.model.compose_linears` over the core numpy ops), the reference of
+    backends that read several projections of one input in one launch."""
+    return compose_linears(_NUMPY_OPS, x, weights)
+
+
+def hc_pre_norm(S: Any, fn: Any, scale: Any, base: Any, iters: int, eps: float, norm_eps: float,
+                norm: Any) -> tuple[Any, Any, Any]:
+    """A sub-layer's normalised input from the streams (:func:`.model.compose_hc_pre_norm` over the core numpy ops),
+    the reference of backends that split, collapse and normalise in one launch."""
+    return compose_hc_pre_norm(_NUMPY_OPS, S, fn, scale, base, iters, eps, norm_eps, norm)
+
+
 DEEPSEEK4_OPS: dict[str, Callable] = {
     "fp8_kv_round": fp8_kv_round,
     "fp4_hadamard_round": fp4_hadamard_round,
     "compress_step": compress_step,
     "shared_expert": shared_expert,
+    "index_select": index_select,
+    "linears": linears,
+    "hc_pre_norm": hc_pre_norm,
 }

@@ -2,11 +2,14 @@
 
 Nothing but these arrays and the token count is carried between calls: the raw K=V window
 ring, and per compressor (main and indexer) the open window's projections, the previous
-window's ``Ca`` half (CSA) and the emitted compressed rows.
+window's ``Ca`` half (CSA) and the emitted compressed rows. A layer's raw ring and its attention
+compressor's rows are two views of one buffer, so a decode step attends over them without a copy.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 from types import ModuleType
 from typing import Any
 
@@ -22,7 +25,8 @@ class CompressorState:
     ``buf_kv``/``buf_gate`` ``[m, coff·d]``: projections (gate with ape) of the open window's tokens, slot =
     position mod m. ``prev_kv``/``prev_gate`` ``[m, d]`` (CSA only): the ``Ca`` half of the last complete
     window; the gate starts at ``-inf`` so window 0 pools its ``Cb`` slots alone. ``rows [ctx // m, d]``:
-    emitted rows, row w pooled from window w and RoPE'd at position ``w·m``.
+    emitted rows, row w pooled from window w and RoPE'd at position ``w·m`` (an attention compressor's are a view
+    of its layer's :attr:`LayerState.keys`).
     """
 
     m: int
@@ -33,13 +37,14 @@ class CompressorState:
     rows: Any
 
     @classmethod
-    def empty(cls, xp: ModuleType, m: int, d: int, overlap: bool, ctx: int) -> CompressorState:
+    def empty(cls, xp: ModuleType, m: int, d: int, overlap: bool, ctx: int, rows: Any = None) -> CompressorState:
+        """Zeroed state; ``rows`` (``[ctx // m, d]``, zeros) is allocated unless given (a view of a layer's keys)."""
         coff = 2 if overlap else 1
         prev_kv = xp.zeros((m, d), dtype=xp.float32) if overlap else None
         prev_gate = xp.full((m, d), -xp.inf, dtype=xp.float32) if overlap else None
         return cls(m=m, buf_kv=xp.zeros((m, coff * d), dtype=xp.float32),
                    buf_gate=xp.zeros((m, coff * d), dtype=xp.float32), prev_kv=prev_kv, prev_gate=prev_gate,
-                   rows=xp.zeros((ctx // m, d), dtype=xp.float32))
+                   rows=xp.zeros((ctx // m, d), dtype=xp.float32) if rows is None else rows)
 
     @staticmethod
     def frontier_nbytes(m: int, d: int, overlap: bool) -> int:
@@ -53,13 +58,60 @@ class CompressorState:
         return 4 * (ctx // m) * d
 
 
+@functools.cache
+def slices_alias(xp: ModuleType) -> bool:
+    """Whether a write into a slice of an ``xp`` array writes the array (numpy, CuPy; not MLX, whose slices are
+    copies)."""
+    whole = xp.zeros(2, dtype=xp.float32)
+    part = whole[1:]
+    part[0] = 1
+    return bool(whole[1] == 1)
+
+
 @attrs.define
 class LayerState:
-    """``raw [W, hd]``: K=V rows of the last W positions, position p in slot p mod W."""
+    """``keys [W + R, hd]``: every K=V row attention reads, one buffer. ``raw = keys[:W]``: the rows of the last W
+    positions, position p in slot p mod W; ``compressor.rows = keys[W:]``: the ``R = ctx // m`` compressed rows
+    (none in a sliding layer). Attention indexes ``keys`` directly: compressed row w is row ``W + w``. Where slices
+    of the array module are copies (:func:`slices_alias`), ``keys`` is None and ``raw`` and ``rows`` are arrays of
+    their own, whose concatenation the rows are indexed in."""
 
+    keys: Any
     raw: Any
     compressor: CompressorState | None = None
     indexer: CompressorState | None = None
+
+    @classmethod
+    def empty(cls, xp: ModuleType, window: int, hd: int, compressor: tuple[int, bool] | None, ctx: int) -> LayerState:
+        """Zeroed state of a layer with a ``window``-row ring and, if ``compressor = (m, overlap)`` is given, that
+        compressor's rows (``hd`` wide) after it in the one key buffer."""
+        n_rows = 0 if compressor is None else ctx // compressor[0]
+        keys = xp.zeros((window + n_rows, hd), dtype=xp.float32) if slices_alias(xp) else None
+        state = cls(keys=keys, raw=xp.zeros((window, hd), dtype=xp.float32) if keys is None else keys[:window])
+        if compressor is not None:
+            m, overlap = compressor
+            rows = None if keys is None else keys[window:]
+            state.compressor = CompressorState.empty(xp, m, hd, overlap, ctx, rows=rows)
+        return state
+
+    def attention_keys(self, xp: ModuleType) -> Any:
+        """``[W + R, hd]``: the raw ring, then the compressed rows (a concatenation where ``keys`` is None)."""
+        if self.keys is not None:
+            return self.keys
+        return self.raw if self.compressor is None else xp.concatenate([self.raw, self.compressor.rows])
+
+    def __deepcopy__(self, memo: dict) -> LayerState:
+        """A copy whose ``raw`` and ``compressor.rows`` are views of its own ``keys`` again (a plain deep copy would
+        copy each view on its own)."""
+        keys = copy.deepcopy(self.keys, memo)
+        if keys is None:
+            return LayerState(None, *(copy.deepcopy(part, memo) for part in (self.raw, self.compressor, self.indexer)))
+        W = self.raw.shape[0]
+        memo[id(self.raw)] = keys[:W]
+        if self.compressor is not None:
+            memo[id(self.compressor.rows)] = keys[W:]
+        return LayerState(keys, memo[id(self.raw)], copy.deepcopy(self.compressor, memo),
+                          copy.deepcopy(self.indexer, memo))
 
 
 @attrs.define
@@ -76,9 +128,8 @@ def new_state(config: DeepSeekV4Config, ctx: int, xp: ModuleType) -> DeepSeekV4S
     layers = []
     for layer in range(config.num_layers):
         kind, m = config.layer_kind(layer), config.compress_ratios[layer]
-        state = LayerState(raw=xp.zeros((config.sliding_window, config.head_dim), dtype=xp.float32))
-        if kind != "sliding":
-            state.compressor = CompressorState.empty(xp, m, config.head_dim, kind == "csa", ctx)
+        state = LayerState.empty(xp, config.sliding_window, config.head_dim,
+                                 None if kind == "sliding" else (m, kind == "csa"), ctx)
         if kind == "csa":
             state.indexer = CompressorState.empty(xp, m, config.index_head_dim, True, ctx)
         layers.append(state)

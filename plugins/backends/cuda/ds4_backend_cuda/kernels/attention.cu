@@ -1,11 +1,176 @@
-// Sparse multi-query attention of a few query tokens in two launches: the scores of the listed rows, then the
-// masked softmax with sinks and the weighted sum. As array code this was about fifteen launches per layer. All heads
-// share the rows (one K=V table), so the scores read them from L2 after the first head, and the weighted sum reads
-// each row once for a group of heads.
+// Sparse multi-query attention of a few query tokens in two launches, split over the rows as flash-decoding does:
+// attend_rows takes ATTEND_ROWS listed rows of one query for ATTEND_HEADS heads (scores, the softmax numerator
+// against the tile's own peak, the unnormalised weighted sum), and attend_merge rescales the tiles to the common
+// peak, adds the sink and divides. Each block reads its rows once for all its heads, and K / ATTEND_ROWS ×
+// H / ATTEND_HEADS blocks fill the GPU at the few hundred rows a decode step lists. (A block per 32 channels that
+// walked every row in turn, after a launch of scores that read each row once per head, took 29 µs for a Flash CSA
+// layer's 640 rows.)
 //
 // q [T, H, d], kv [N, d] (keys = values), idx [T, K] rows per query (-1 = none), sinks [H] or null -> out [T, H, d].
 
 #define NEG_INF __int_as_float(0xff800000)  // NVRTC has no math.h, so no INFINITY
+#define ATTEND_HEADS 8                      // heads of a block: one warp each in the softmax
+#define ATTEND_ROWS 32                      // rows of a block: ATTEND_ROWS / 8 per warp in the scores
+#define ROWS_PER_WARP (ATTEND_ROWS / ATTEND_HEADS)
+#define MIX_STEP 8                          // rows of a step of the weighted sum
+static_assert(ROWS_PER_WARP * ATTEND_HEADS == 32, "the scores' transposed sum gives each lane one (row, head)");
+
+// v[i] summed over the warp, returned to lane i: five butterfly rounds that halve the values each lane carries
+// (31 shuffles where 32 separate sums take 160).
+template <int O>
+__device__ __forceinline__ void transposed_round(float (&v)[32]) {
+    const bool upper = threadIdx.x & O;
+#pragma unroll
+    for (int i = 0; i < O; ++i) {
+        const float send = upper ? v[i] : v[i + O];
+        v[i] = (upper ? v[i + O] : v[i]) + __shfl_xor_sync(0xffffffffu, send, O);
+    }
+}
+
+__device__ __forceinline__ float warp_transposed_sum(float (&v)[32]) {
+    transposed_round<16>(v);
+    transposed_round<8>(v);
+    transposed_round<4>(v);
+    transposed_round<2>(v);
+    transposed_round<1>(v);
+    return v[0];
+}
+
+__device__ __forceinline__ float dot4(float4 a, float4 b, float s) {
+    return fmaf(a.x, b.x, fmaf(a.y, b.y, fmaf(a.z, b.z, fmaf(a.w, b.w, s))));
+}
+
+// Tile blockIdx.x of query t = blockIdx.z for heads h0 = blockIdx.y · ATTEND_HEADS ..: with l_j = (q_h . kv[r_j]) ·
+// scale over its rows (-inf where r_j < 0), stats[t, h, tile] = (peak = max_j l_j, sum_j exp(l_j - peak)) and
+// part[t, h, tile] = sum_j exp(l_j - peak) · kv[r_j] (zero for a tile of masked rows). d a multiple of 4;
+// 32 · ATTEND_HEADS threads, dynamic shared memory ATTEND_HEADS · d floats. So few blocks run that each is a chain
+// of memory round trips: every phase issues all of its loads before it uses one (q, then a warp's rows, then a
+// thread's column pairs of all the tile's rows).
+extern "C" __global__ void __launch_bounds__(32 * ATTEND_HEADS) attend_rows(
+        const float* __restrict__ q, const float* __restrict__ kv, const int* __restrict__ idx, int H, int K, int d,
+        float scale, float* __restrict__ part, float2* __restrict__ stats) {
+    extern __shared__ float4 q_heads[];  // [ATTEND_HEADS][d / 4]
+    __shared__ __align__(16) float p[ATTEND_ROWS][ATTEND_HEADS];
+    __shared__ int rows[ATTEND_ROWS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, d4 = d / 4;
+    const int t = blockIdx.z, h0 = blockIdx.y * ATTEND_HEADS, j0 = blockIdx.x * ATTEND_ROWS, tiles = gridDim.x;
+    const int heads = min(ATTEND_HEADS, H - h0);
+    const float4* qt = reinterpret_cast<const float4*>(q + ((size_t)t * H + h0) * d);
+#pragma unroll 4
+    for (int e = threadIdx.x; e < ATTEND_HEADS * d4; e += blockDim.x)
+        q_heads[e] = e < heads * d4 ? qt[e] : make_float4(0.f, 0.f, 0.f, 0.f);
+    if (threadIdx.x < ATTEND_ROWS) {
+        const int j = j0 + threadIdx.x;
+        rows[threadIdx.x] = j < K ? idx[(size_t)t * K + j] : -1;
+    }
+    __syncthreads();
+
+    const float4* row[ROWS_PER_WARP];  // warp w scores rows w, w + 8, ..; row 0 stands in for masked rows
+#pragma unroll
+    for (int i = 0; i < ROWS_PER_WARP; ++i)
+        row[i] = reinterpret_cast<const float4*>(kv + (size_t)max(rows[warp + ATTEND_HEADS * i], 0) * d);
+    float s[32] = {};  // s[i · ATTEND_HEADS + hh]: this lane's columns of row i . head hh
+#pragma unroll 4
+    for (int c = lane; c < d4; c += 32) {
+        float4 k[ROWS_PER_WARP];
+#pragma unroll
+        for (int i = 0; i < ROWS_PER_WARP; ++i) k[i] = row[i][c];
+#pragma unroll
+        for (int hh = 0; hh < ATTEND_HEADS; ++hh) {
+            const float4 qv = q_heads[hh * d4 + c];
+#pragma unroll
+            for (int i = 0; i < ROWS_PER_WARP; ++i) s[i * ATTEND_HEADS + hh] = dot4(qv, k[i], s[i * ATTEND_HEADS + hh]);
+        }
+    }
+    {
+        const float dot = warp_transposed_sum(s);
+        const int j = warp + ATTEND_HEADS * (lane / ATTEND_HEADS), hh = lane % ATTEND_HEADS;
+        p[j][hh] = rows[j] >= 0 ? dot * scale : NEG_INF;
+    }
+    __syncthreads();
+    {  // warp w: head w's numerators over the tile, lane = row
+        const float l = p[lane][warp];
+        float peak = l;
+        for (int o = 16; o > 0; o >>= 1) peak = fmaxf(peak, __shfl_xor_sync(0xffffffffu, peak, o));
+        const float e = peak == NEG_INF ? 0.f : expf(l - peak);
+        float sum = e;
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        p[lane][warp] = e;
+        if (lane == 0 && warp < heads) stats[((size_t)t * H + h0 + warp) * tiles + blockIdx.x] = make_float2(peak, sum);
+    }
+    __syncthreads();
+    // Column pairs, rows in steps of MIX_STEP with the next step's loads in flight (a masked row's weight is 0).
+    const float2* kv2 = reinterpret_cast<const float2*>(kv);
+    for (int c = threadIdx.x; c < d / 2; c += blockDim.x) {
+        float2 acc[ATTEND_HEADS] = {}, v[MIX_STEP], next[MIX_STEP];
+#pragma unroll
+        for (int j = 0; j < MIX_STEP; ++j) next[j] = kv2[max(rows[j], 0) * (d / 2) + c];
+#pragma unroll 1
+        for (int j0 = 0; j0 < ATTEND_ROWS; j0 += MIX_STEP) {
+#pragma unroll
+            for (int j = 0; j < MIX_STEP; ++j) v[j] = next[j];
+            if (j0 + MIX_STEP < ATTEND_ROWS)
+#pragma unroll
+                for (int j = 0; j < MIX_STEP; ++j) next[j] = kv2[max(rows[j0 + MIX_STEP + j], 0) * (d / 2) + c];
+#pragma unroll
+            for (int j = 0; j < MIX_STEP; ++j) {
+#pragma unroll
+                for (int hh = 0; hh < ATTEND_HEADS; ++hh) {
+                    acc[hh].x = fmaf(p[j0 + j][hh], v[j].x, acc[hh].x);
+                    acc[hh].y = fmaf(p[j0 + j][hh], v[j].y, acc[hh].y);
+                }
+            }
+        }
+        float2* out = reinterpret_cast<float2*>(part + (((size_t)t * H + h0) * tiles + blockIdx.x) * d) + c;
+#pragma unroll
+        for (int hh = 0; hh < ATTEND_HEADS; ++hh)
+            if (hh < heads) out[(size_t)hh * tiles * (d / 2)] = acc[hh];
+    }
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024) by combine; every thread returns it.
+template <class Combine>
+__device__ __forceinline__ float block_reduce(float v, float* scratch, Combine combine) {
+    for (int o = 16; o > 0; o >>= 1) v = combine(v, __shfl_xor_sync(0xffffffffu, v, o));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    __syncthreads();  // scratch is free
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = scratch[0];
+    for (int w = 1; w < warps; ++w) v = combine(v, scratch[w]);
+    return v;
+}
+
+// out[t, h, c] = sum over tiles of exp(peak - P) · part[t, h, tile, c] / (sum of exp(peak - P) · sum, plus
+// exp(sink_h - P)), with P the largest peak or sink (0 for a fully masked row without a sink, whose output is then
+// 0 / 0 as in the array form). The block's threads first share out the tiles' weights (one round trip for the
+// statistics instead of one per tile). grid (ceil(d / blockDim.x), H, T), dynamic shared memory tiles floats.
+extern "C" __global__ void attend_merge(const float* __restrict__ part, const float2* __restrict__ stats,
+                                        const float* __restrict__ sinks, int H, int tiles, int d,
+                                        float* __restrict__ out) {
+    extern __shared__ float weight[];
+    __shared__ float scratch[32];
+    const int c = blockIdx.x * blockDim.x + threadIdx.x, h = blockIdx.y;
+    const size_t th = (size_t)blockIdx.z * H + h;
+    const float2* st = stats + th * tiles;
+    float peak = sinks ? sinks[h] : NEG_INF;
+    for (int i = threadIdx.x; i < tiles; i += blockDim.x) peak = fmaxf(peak, st[i].x);
+    peak = block_reduce(peak, scratch, [](float a, float b) { return fmaxf(a, b); });
+    if (peak == NEG_INF) peak = 0.f;
+    float den = 0.f;
+    for (int i = threadIdx.x; i < tiles; i += blockDim.x) {
+        const float w = st[i].x == NEG_INF ? 0.f : expf(st[i].x - peak);
+        weight[i] = w;
+        den = fmaf(w, st[i].y, den);
+    }
+    den = block_reduce(den, scratch, [](float a, float b) { return a + b; }) + (sinks ? expf(sinks[h] - peak) : 0.f);
+    if (c >= d) return;
+    const float* pt = part + th * tiles * d + c;
+    float num = 0.f;
+#pragma unroll 8
+    for (int i = 0; i < tiles; ++i) num = fmaf(weight[i], pt[(size_t)i * d], num);
+    out[th * d + c] = num / den;
+}
 
 // Softmax statistics of a row l [K] in one warp, given each lane's maximum over its elements: the peak (the row's
 // maximum or the sink if larger; 0 for a fully masked row without a sink, so exp gives 0 and no NaN) and the sum of
@@ -24,92 +189,9 @@ __device__ __forceinline__ void warp_softmax_stats(const float* __restrict__ l, 
     sum_out = sum;
 }
 
-// logits[t, h, j] = (q[t, h] . kv[idx[t, j]]) · scale, or -inf where idx < 0; one warp per (t, h, j),
-// grid (ceil(K / warps per block), H, T).
-extern "C" __global__ void attend_scores(const float* __restrict__ q, const float* __restrict__ kv,
-                                         const int* __restrict__ idx, int H, int K, int d, float scale,
-                                         float* __restrict__ logits) {
-    const int lane = threadIdx.x & 31;
-    const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (j >= K) return;  // whole warps leave together
-    const size_t th = (size_t)blockIdx.z * H + blockIdx.y;
-    const int r = idx[(size_t)blockIdx.z * K + j];
-    float s = 0.f;
-    if (r >= 0) {
-        const float* qr = q + th * d;
-        const float* kr = kv + (size_t)r * d;
-        for (int c = lane; c < d; c += 32) s = fmaf(qr[c], kr[c], s);
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    }
-    if (lane == 0) logits[th * K + j] = r >= 0 ? s * scale : NEG_INF;
-}
-
-// out[t, h, c] = sum_j softmax(logits[t, h] with the sink)[j] · kv[idx[t, j], c]. A block takes 32 channels of
-// ATTEND_HEADS heads: warp w first finds head w's softmax peak and sum, then the rows go by in tiles of ATTEND_TILE,
-// each row read once for all the block's heads (lane = channel, warp = every eighth row of the tile), and the warps'
-// partial sums are added in a fixed order. grid (ceil(d / 32), ceil(H / ATTEND_HEADS), T), ATTEND_HEADS warps.
-#define ATTEND_HEADS 8
-#define ATTEND_TILE 256
-extern "C" __global__ void __launch_bounds__(32 * ATTEND_HEADS) attend_mix(
-        const float* __restrict__ logits, const float* __restrict__ kv, const int* __restrict__ idx,
-        const float* __restrict__ sinks, int H, int K, int d, float* __restrict__ out) {
-    __shared__ float p[ATTEND_HEADS][ATTEND_TILE];
-    __shared__ int tile_rows[ATTEND_TILE];
-    __shared__ float peak_of[ATTEND_HEADS], sum_of[ATTEND_HEADS];
-    __shared__ float partial[ATTEND_HEADS][ATTEND_HEADS][32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int t = blockIdx.z, c = blockIdx.x * 32 + lane;
-    const int* rows = idx + (size_t)t * K;
-    {  // warp w: softmax statistics of head h0 + w
-        const int h = blockIdx.y * ATTEND_HEADS + warp;
-        float peak = NEG_INF, sum = 0.f;
-        if (h < H) {
-            const float* l = logits + ((size_t)t * H + h) * K;
-            for (int j = lane; j < K; j += 32) peak = fmaxf(peak, l[j]);
-            warp_softmax_stats(l, K, sinks, h, peak, peak, sum);
-        }
-        if (lane == 0) {
-            peak_of[warp] = peak;
-            sum_of[warp] = sum;
-        }
-    }
-    float acc[ATTEND_HEADS] = {};
-    for (int j0 = 0; j0 < K; j0 += ATTEND_TILE) {
-        const int n = min(ATTEND_TILE, K - j0);
-        __syncthreads();  // the statistics are written; the last tile is consumed
-        for (int e = threadIdx.x; e < ATTEND_HEADS * ATTEND_TILE; e += blockDim.x) {
-            const int hh = e / ATTEND_TILE, j = e % ATTEND_TILE, h = blockIdx.y * ATTEND_HEADS + hh;
-            float v = 0.f;  // a masked row has weight exp(-inf) = 0
-            if (j < n && h < H)
-                v = expf(logits[((size_t)t * H + h) * K + j0 + j] - peak_of[hh]) / sum_of[hh];
-            p[hh][j] = v;
-            if (hh == 0 && j < n) tile_rows[j] = max(rows[j0 + j], 0);  // row 0 stands in for masked rows
-        }
-        __syncthreads();
-        if (c < d) {
-#pragma unroll 8
-            for (int j = warp; j < n; j += ATTEND_HEADS) {
-                const float v = kv[(size_t)tile_rows[j] * d + c];
-#pragma unroll
-                for (int hh = 0; hh < ATTEND_HEADS; ++hh) acc[hh] = fmaf(p[hh][j], v, acc[hh]);
-            }
-        }
-    }
-#pragma unroll
-    for (int hh = 0; hh < ATTEND_HEADS; ++hh) partial[warp][hh][lane] = acc[hh];
-    __syncthreads();
-    const int h = blockIdx.y * ATTEND_HEADS + warp;  // warp w adds up head w over the warps
-    if (h < H && c < d) {
-        float s = 0.f;
-#pragma unroll
-        for (int w = 0; w < ATTEND_HEADS; ++w) s += partial[w][warp][lane];
-        out[((size_t)t * H + h) * d + c] = s;
-    }
-}
-
 // Prefill's softmax between its two batched products: p[t, h, j] = softmax_j(dots[t, h, j] · scale, or -inf where
-// idx[t, j] < 0) with the sink in the denominator, in place over dots [T, H, K]; the statistics of attend_mix
-// (warp_softmax_stats). One warp per (t, h) row, rows = T * H.
+// idx[t, j] < 0) with the sink in the denominator, in place over dots [T, H, K]. One warp per (t, h) row,
+// rows = T * H.
 extern "C" __global__ void attend_softmax(float* __restrict__ dots, const int* __restrict__ idx,
                                           const float* __restrict__ sinks, int H, int K, long long rows,
                                           float scale) {

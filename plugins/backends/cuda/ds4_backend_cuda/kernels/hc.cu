@@ -107,48 +107,42 @@ __device__ void hc_split_warp(const float* __restrict__ m, const float* __restri
         if (lane + 32 * h < N * N) comb[lane + 32 * h] = c[h];
 }
 
-// mix [T, (2+n)·n], scale [3], base [(2+n)·n] -> pre [T, n], post [T, n], comb [T, n, n]; n <= HC_MAX;
-// grid ceil(T / warps per block). With slices > 0 the warp first writes its token's mix row from the column slices
-// of mix_slices (quant.cu): part [T, M + 1, slices] holds the slices' products and sums of squares over K columns.
-extern "C" __global__ void hc_split(float* __restrict__ mix, const float* __restrict__ part, int slices, int K,
-                                    float norm_eps, const float* __restrict__ scale, const float* __restrict__ base,
-                                    int T, int n, int iters, float eps, float* __restrict__ pre,
-                                    float* __restrict__ post, float* __restrict__ comb) {
-    const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (t >= T) return;  // whole warps leave together
-    const int M = (2 + n) * n;
-    float* m = mix + (size_t)t * M;
-    if (slices > 0) {  // a multiple of 4: lanes sum rows' slices (and the squares' slices once), in slice order
-        const float4* p = reinterpret_cast<const float4*>(part + (size_t)t * (M + 1) * slices);
-        const int q = slices / 4, lane = threadIdx.x & 31;
-        float squares = 0.f;
-        for (int r0 = 0; r0 < M; r0 += 32) {
-            const int r = min(r0 + lane, M - 1);
-            float row = 0.f;
-            for (int i0 = 0; i0 < q; i0 += HC_SLICE_LOADS) {  // a round's loads are all in flight at once
-                float4 a[HC_SLICE_LOADS], b[HC_SLICE_LOADS];
+// Token t's mix row m [(2+n)·n] from the column slices of mix_slices (quant.cu): part [M + 1, slices] holds the
+// slices' products and sums of squares over K columns (slices a multiple of 4); lanes sum rows' slices (and the
+// squares' slices once), in slice order. By one warp; the row is in m when it returns.
+__device__ void hc_mix_row(float* __restrict__ m, const float* __restrict__ part, int M, int slices, int K,
+                           float norm_eps) {
+    const float4* p = reinterpret_cast<const float4*>(part);
+    const int q = slices / 4, lane = threadIdx.x & 31;
+    float squares = 0.f;
+    for (int r0 = 0; r0 < M; r0 += 32) {
+        const int r = min(r0 + lane, M - 1);
+        float row = 0.f;
+        for (int i0 = 0; i0 < q; i0 += HC_SLICE_LOADS) {  // a round's loads are all in flight at once
+            float4 a[HC_SLICE_LOADS], b[HC_SLICE_LOADS];
 #pragma unroll
-                for (int i = 0; i < HC_SLICE_LOADS; ++i) {
-                    if (i0 + i < q) {
-                        a[i] = p[r * q + i0 + i];
-                        if (r0 == 0) b[i] = p[M * q + i0 + i];
-                    }
-                }
-#pragma unroll
-                for (int i = 0; i < HC_SLICE_LOADS; ++i) {
-                    if (i0 + i < q) {
-                        row = row + a[i].x + a[i].y + a[i].z + a[i].w;
-                        if (r0 == 0) squares = squares + b[i].x + b[i].y + b[i].z + b[i].w;
-                    }
+            for (int i = 0; i < HC_SLICE_LOADS; ++i) {
+                if (i0 + i < q) {
+                    a[i] = p[r * q + i0 + i];
+                    if (r0 == 0) b[i] = p[M * q + i0 + i];
                 }
             }
-            if (r0 + lane < M) m[r] = row / sqrtf(squares / (float)K + norm_eps);
+#pragma unroll
+            for (int i = 0; i < HC_SLICE_LOADS; ++i) {
+                if (i0 + i < q) {
+                    row = row + a[i].x + a[i].y + a[i].z + a[i].w;
+                    if (r0 == 0) squares = squares + b[i].x + b[i].y + b[i].z + b[i].w;
+                }
+            }
         }
-        __syncwarp();  // the row is read back by other lanes of this warp
+        if (r0 + lane < M) m[r] = row / sqrtf(squares / (float)K + norm_eps);
     }
-    pre += (size_t)t * n;
-    post += (size_t)t * n;
-    comb += (size_t)t * n * n;
+    __syncwarp();  // the row is read back by other lanes of this warp
+}
+
+__device__ void hc_split_token(const float* __restrict__ m, const float* __restrict__ scale,
+                               const float* __restrict__ base, int n, int iters, float eps, float* __restrict__ pre,
+                               float* __restrict__ post, float* __restrict__ comb) {
     switch (n) {
         case 1: hc_split_warp<1>(m, scale, base, iters, eps, pre, post, comb); break;
         case 2: hc_split_warp<2>(m, scale, base, iters, eps, pre, post, comb); break;
@@ -159,6 +153,92 @@ extern "C" __global__ void hc_split(float* __restrict__ mix, const float* __rest
         case 7: hc_split_warp<7>(m, scale, base, iters, eps, pre, post, comb); break;
         default: hc_split_warp<8>(m, scale, base, iters, eps, pre, post, comb); break;
     }
+}
+
+// mix [T, (2+n)·n], scale [3], base [(2+n)·n] -> pre [T, n], post [T, n], comb [T, n, n]; n <= HC_MAX;
+// grid ceil(T / warps per block). With slices > 0 the warp first writes its token's mix row from the column slices
+// of mix_slices (hc_mix_row; part [T, M + 1, slices]).
+extern "C" __global__ void hc_split(float* __restrict__ mix, const float* __restrict__ part, int slices, int K,
+                                    float norm_eps, const float* __restrict__ scale, const float* __restrict__ base,
+                                    int T, int n, int iters, float eps, float* __restrict__ pre,
+                                    float* __restrict__ post, float* __restrict__ comb) {
+    const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (t >= T) return;  // whole warps leave together
+    const int M = (2 + n) * n;
+    float* m = mix + (size_t)t * M;
+    if (slices > 0) hc_mix_row(m, part + (size_t)t * (M + 1) * slices, M, slices, K, norm_eps);
+    hc_split_token(m, scale, base, n, iters, eps, pre + (size_t)t * n, post + (size_t)t * n, comb + (size_t)t * n * n);
+}
+
+// hc_split with the slices, then the collapse c = sum_i pre_i · S_i of the streams S [T, n, D] and its RMSNorm with
+// weight w -> out [T, D], in one block per token: warp 0 makes the mix row and pre; every thread loads its column
+// quads of all streams at once (one memory round trip; a loop over streams and columns waited for each load in
+// turn), collapses and normalises them; then warp 0 runs the Sinkhorn iterations (post and comb, which only the
+// sub-layer's end needs). Three launches of a decode step's hyper-connection became one. HC_NORM_THREADS threads
+// (the registers of the Sinkhorn and the slice sums), D a multiple of 4 up to 4 · HC_QUADS · HC_NORM_THREADS;
+// n = HC_NORM_STREAMS, the models' 4.
+#define HC_QUADS 4
+#define HC_NORM_THREADS 256
+#define HC_NORM_STREAMS 4
+extern "C" __global__ void __launch_bounds__(HC_NORM_THREADS) hc_split_norm(
+        float* __restrict__ mix, const float* __restrict__ part, int slices, int K, float norm_eps,
+        const float* __restrict__ scale, const float* __restrict__ base, int iters, float eps, float* __restrict__ pre,
+        float* __restrict__ post, float* __restrict__ comb, const float* __restrict__ S, int D,
+        const float* __restrict__ w, float* __restrict__ out) {
+    constexpr int N = HC_NORM_STREAMS, M = (2 + N) * N;
+    __shared__ float weight[N], partial[32];
+    const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    float* m = mix + (size_t)t * M;
+    if (warp == 0) {
+        hc_mix_row(m, part + (size_t)t * (M + 1) * slices, M, slices, K, norm_eps);
+        if (lane < N) weight[lane] = hc_sigmoid(m[lane] * scale[0] + base[lane]) + eps;
+    }
+    const float4* s = reinterpret_cast<const float4*>(S + (size_t)t * N * D);
+    const float4* w4 = reinterpret_cast<const float4*>(w);
+    const int D4 = D / 4;
+    float4 v[HC_QUADS][N], g[HC_QUADS];
+#pragma unroll
+    for (int k = 0; k < HC_QUADS; ++k) {  // loads before the barrier: they do not need pre
+        const int d = threadIdx.x + k * blockDim.x;
+#pragma unroll
+        for (int i = 0; i < N; ++i) v[k][i] = d < D4 ? s[(size_t)i * D4 + d] : make_float4(0.f, 0.f, 0.f, 0.f);
+        g[k] = d < D4 ? w4[d] : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    __syncthreads();
+    float4 c[HC_QUADS];
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < HC_QUADS; ++k) {
+        c[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            c[k].x = fmaf(weight[i], v[k][i].x, c[k].x);
+            c[k].y = fmaf(weight[i], v[k][i].y, c[k].y);
+            c[k].z = fmaf(weight[i], v[k][i].z, c[k].z);
+            c[k].w = fmaf(weight[i], v[k][i].w, c[k].w);
+        }
+        ss = fmaf(c[k].x, c[k].x, fmaf(c[k].y, c[k].y, fmaf(c[k].z, c[k].z, fmaf(c[k].w, c[k].w, ss))));
+    }
+    ss = butterfly_sum<1, 32>(ss);
+    if (lane == 0) partial[warp] = ss;
+    __syncthreads();
+    if (warp == 0) {
+        ss = butterfly_sum<1, 32>(lane < warps ? partial[lane] : 0.f);
+        if (lane == 0) partial[0] = ss;
+    }
+    __syncthreads();
+    const float root = sqrtf(partial[0] / (float)D + norm_eps);
+    float4* o = reinterpret_cast<float4*>(out + (size_t)t * D);
+#pragma unroll
+    for (int k = 0; k < HC_QUADS; ++k) {
+        const int d = threadIdx.x + k * blockDim.x;
+        if (d < D4)
+            o[d] = make_float4(c[k].x / root * g[k].x, c[k].y / root * g[k].y, c[k].z / root * g[k].z,
+                               c[k].w / root * g[k].w);
+    }
+    if (warp == 0)
+        hc_split_warp<N>(m, scale, base, iters, eps, pre + (size_t)t * N, post + (size_t)t * N,
+                                  comb + (size_t)t * N * N);
 }
 
 // out[t, d] = sum_i w[t, i] · S[t, i, d]: the collapse of the streams S [T, n, D] with weights w [T, n] (also the

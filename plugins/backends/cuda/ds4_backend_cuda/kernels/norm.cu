@@ -2,19 +2,21 @@
 // and a decode step calls them a few dozen times, so in a recorded graph their launch gaps outweighed the work.
 
 // y[r] = x[r] / sqrt(mean(x[r]^2) + eps) [· w] for rows of width d; one block per row (blockDim.x a multiple of 32,
-// at most 1024); w may be null. A thread's first HELD elements are loaded at once and kept in registers for the
-// second pass (a strided loop would wait for each load in turn); wider rows loop over the rest.
+// at most 1024); w may be null. A thread's first HELD elements and their weights are loaded at once and kept in
+// registers for the second pass (a strided loop would wait for each load in turn, and weights loaded after the sum
+// add a second memory round trip to a launch of a few µs); wider rows loop over the rest.
 #define HELD 8
 extern "C" __global__ void rms_norm_rows(const float* __restrict__ x, const float* __restrict__ w, int d, float eps,
                                          float* __restrict__ y) {
     __shared__ float partial[32];
     const float* xr = x + (size_t)blockIdx.x * d;
-    float v[HELD];
+    float v[HELD], g[HELD];
     float ss = 0.f;
 #pragma unroll
     for (int k = 0; k < HELD; ++k) {
         const int i = threadIdx.x + k * blockDim.x;
         v[k] = i < d ? xr[i] : 0.f;
+        g[k] = w && i < d ? w[i] : 1.f;
     }
 #pragma unroll
     for (int k = 0; k < HELD; ++k) ss = fmaf(v[k], v[k], ss);
@@ -34,7 +36,7 @@ extern "C" __global__ void rms_norm_rows(const float* __restrict__ x, const floa
 #pragma unroll
     for (int k = 0; k < HELD; ++k) {
         const int i = threadIdx.x + k * blockDim.x;
-        if (i < d) yr[i] = w ? v[k] / root * w[i] : v[k] / root;
+        if (i < d) yr[i] = v[k] / root * g[k];
     }
     for (int i = threadIdx.x + HELD * blockDim.x; i < d; i += blockDim.x) yr[i] = w ? xr[i] / root * w[i] : xr[i] / root;
 }

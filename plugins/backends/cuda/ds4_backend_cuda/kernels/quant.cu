@@ -303,6 +303,16 @@ struct Group<Q, decltype(void(Q::GROUP))> {
     static constexpr int N = Q::GROUP;
 };
 
+// Row r of a matrix whose rows may lie in several buffers of equal row width (projections of one input, read in one
+// launch): segs null, w's row r; else segs holds nsegs pairs (first row, base address), by first row.
+__device__ __forceinline__ const u8* row_at(const u8* w, const long long* __restrict__ segs, int nsegs, int r,
+                                            long long row_bytes) {
+    if (!segs) return w + (long long)r * row_bytes;
+    int i = 0;
+    while (i + 1 < nsegs && r >= segs[2 * (i + 1)]) ++i;
+    return reinterpret_cast<const u8*>(segs[2 * i + 1]) + (long long)(r - (int)segs[2 * i]) * row_bytes;
+}
+
 __device__ __forceinline__ float warp_sum(float s) {
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
@@ -431,13 +441,15 @@ struct WarpDot {
 #define GEMV_ROWS 4
 
 // y[t, r] = sum_c W[r, c] x_t[g(r), c] for t < ntok <= NT, where x_t[g] = x + t * x_stride + g * ncols and
-// g(r) = r / group_rows (grouped projections; group_rows = nrows otherwise, a multiple of GEMV_ROWS if grouped).
+// g(r) = r / group_rows (grouped projections; group_rows = nrows otherwise, a multiple of GEMV_ROWS if grouped);
+// W's rows as row_at finds them.
 // A block is GEMV_WARPS warps: GEMV_WARPS / KS groups of GEMV_ROWS rows, each row group split over KS warps
 // by chunks and summed in a fixed order (deterministic).
 template <class Q, int NT>
 __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv(
         const u8* __restrict__ w, long long row_bytes, int nrows, int ncols, const float* __restrict__ x,
-        long long x_stride, int group_rows, int ntok, float* __restrict__ y, int KS) {
+        long long x_stride, int group_rows, int ntok, float* __restrict__ y, int KS,
+        const long long* __restrict__ segs, int nsegs) {
     using D = WarpDot<Q, GEMV_ROWS, NT>;
     __shared__ uint4 stage[GEMV_WARPS][D::SLOTS];
     __shared__ float partial[GEMV_WARPS][GEMV_ROWS * NT];
@@ -446,7 +458,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv(
     int r0 = (blockIdx.x * groups + rg) * GEMV_ROWS;
     const u8* row[GEMV_ROWS];
 #pragma unroll
-    for (int j = 0; j < GEMV_ROWS; j++) row[j] = w + (long long)min(r0 + j, nrows - 1) * row_bytes;
+    for (int j = 0; j < GEMV_ROWS; j++) row[j] = row_at(w, segs, nsegs, min(r0 + j, nrows - 1), row_bytes);
     float acc[GEMV_ROWS][NT];
 #pragma unroll
     for (int j = 0; j < GEMV_ROWS; j++)

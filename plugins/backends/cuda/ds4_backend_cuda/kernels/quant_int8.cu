@@ -238,11 +238,12 @@ __device__ __forceinline__ I8Act block_activation(const float* __restrict__ x, i
 // y[r] = sum_c W[r, c] x[g(r), c] for one token, x[g] = x + g * ncols, g(r) = r / group_rows. A block is
 // GEMV_WARPS warps: GEMV_WARPS / KS groups of GEMV_ROWS rows, each row group split over KS warps by chunks and summed
 // in a fixed order; with KS = 1 the block makes P passes, each warp streaming its P row groups back to back (P = 1
-// when KS > 1). Dynamic shared memory: the I8Act of the activations of the x groups a block's rows touch.
+// when KS > 1). Dynamic shared memory: the I8Act of the activations of the x groups a block's rows touch. W's rows as
+// row_at finds them.
 template <class Q>
 __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_i8(
         const u8* __restrict__ w, long long row_bytes, int nrows, int ncols, const float* __restrict__ x,
-        int group_rows, float* __restrict__ y, int KS, int P) {
+        int group_rows, float* __restrict__ y, int KS, int P, const long long* __restrict__ segs, int nsegs) {
     using D = WarpDot<I8<Q>, GEMV_ROWS, 1>;
     __shared__ uint4 stage[GEMV_WARPS][D::SLOTS];
     __shared__ float partial[GEMV_WARPS][GEMV_ROWS];
@@ -260,7 +261,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_i8(
         [&](int g, const u8* (&row)[GEMV_ROWS]) {
             const int r0 = row0(g);
 #pragma unroll
-            for (int j = 0; j < GEMV_ROWS; j++) row[j] = w + (long long)min(r0 + j, nrows - 1) * row_bytes;
+            for (int j = 0; j < GEMV_ROWS; j++) row[j] = row_at(w, segs, nsegs, min(r0 + j, nrows - 1), row_bytes);
             return (r0 / group_rows - g0) * ncols;
         },
         ngroups, ncols, [&] { return block_activation(x + (long long)g0 * ncols, ncols, g1 - g0 + 1); }, ks, KS,
