@@ -294,6 +294,22 @@ def test_hc_and_deepseek4_ops(cuda_backend, n, D, rng):
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(("shape", "weighted"), [((3, 5, 64), False), ((2, 512), True), ((1, 9000), True)])
+def test_norm_rope_is_rope_of_rms_norm(cuda_backend, shape, weighted, rng):
+    """RMSNorm and RoPE in one launch (a query's heads, a KV row) equal the two core ops; a row wider than a block's
+    threads hold takes the two launches."""
+    from ds4_backend_cuda import deepseek4_ops as cu
+    from ds4_model_deepseek4 import ops as dref
+
+    x = rng.standard_normal(shape, dtype=np.float32) * 3
+    w_ref, w = _pair(cuda_backend, "F32", (shape[-1],), rng) if weighted else (None, None)
+    pos = rng.integers(0, 5000, shape[0]).astype(np.int32)
+    inv_freq = (10000.0 ** -(np.arange(16) / 16)).astype(np.float32)
+    xp = cuda_backend.asarray
+    got = cuda_backend.to_numpy(cu.norm_rope(xp(x), w, 1e-6, xp(pos), xp(inv_freq)))
+    np.testing.assert_allclose(got, dref.norm_rope(x, w_ref, 1e-6, pos, inv_freq), rtol=1e-5, atol=1e-5)
+
+
 def test_upload_keeps_raw_blocks(cuda_backend, rng):
     raw = _raw("IQ2_XXS", (4, 32, 256), rng)
     w = cuda_backend.upload("experts", "IQ2_XXS", (4, 32, 256), raw)

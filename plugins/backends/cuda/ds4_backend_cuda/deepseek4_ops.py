@@ -15,7 +15,7 @@ from ds4_core.backend import Weight
 
 from .hc_ops import hc_pre_norm
 from .modules import glue_module
-from .ops import MAX_GRID_Y, MOE_PAIR_LIMIT, linear, linears, moe_gate_up_launch, swiglu, values
+from .ops import MAX_GRID_Y, MOE_PAIR_LIMIT, linear, linears, moe_gate_up_launch, norm_rope, swiglu, values
 
 F32 = cp.float32
 
@@ -132,4 +132,5 @@ DEEPSEEK4_OPS = {
     "index_select": index_select,
     "linears": linears,
     "hc_pre_norm": hc_pre_norm,
+    "norm_rope": norm_rope,
 }

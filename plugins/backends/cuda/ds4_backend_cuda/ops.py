@@ -319,11 +319,33 @@ def rms_norm(x: Any, w: Weight | None, eps: float) -> Any:
     """``x · rsqrt(mean(x²) + eps) [· w]`` over the last axis, one launch (``kernels/norm.cu``)."""
     x = cp.ascontiguousarray(x, dtype=F32)
     y = cp.empty_like(x)
-    d = x.shape[-1]
     if x.size:
-        scale = np.uint64(0) if w is None else cp.ascontiguousarray(values(w), dtype=F32)
-        threads = min(1024, max(32, -(-d // 128) * 32))  # about four elements per thread
-        glue_module().get_function("rms_norm_rows")((x.size // d,), (threads,), (x, scale, _i32(d), F32(eps), y))
+        _norm_rows(x, w, eps, y, (np.uint64(0), np.uint64(0), _i32(0), _i32(1)))
+    return y
+
+
+def _norm_threads(d: int) -> int:
+    return min(1024, max(32, -(-d // 128) * 32))  # about four elements per thread
+
+
+def _norm_rows(x: Any, w: Weight | None, eps: float, y: Any, rope_args: tuple) -> None:
+    d = x.shape[-1]
+    scale = np.uint64(0) if w is None else cp.ascontiguousarray(values(w), dtype=F32)
+    glue_module().get_function("rms_norm_rows")((x.size // d,), (_norm_threads(d),), (
+        x, scale, _i32(d), F32(eps), y, *rope_args))
+
+
+def norm_rope(x: Any, w: Weight | None, eps: float, positions: Any, inv_freq: Any) -> Any:
+    """:func:`rope` of :func:`rms_norm`, ``x [T, ..., d]``, in one launch where a block's threads hold a row
+    (``d`` up to 8 · 1024)."""
+    x = cp.ascontiguousarray(x, dtype=F32)
+    d = x.shape[-1]
+    pos = cp.ascontiguousarray(positions, dtype=cp.int32).reshape(-1)
+    if not x.size or d > 8 * _norm_threads(d) or pos.size != x.shape[0]:
+        return rope(rms_norm(x, w, eps), positions, inv_freq)
+    y = cp.empty_like(x)
+    _norm_rows(x, w, eps, y, (pos, cp.ascontiguousarray(inv_freq, dtype=F32), _i32(inv_freq.shape[0]),
+                              _i32(x.size // d // x.shape[0])))
     return y
 
 

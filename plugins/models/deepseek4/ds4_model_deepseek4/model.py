@@ -113,6 +113,12 @@ def compose_linears(ops: Ops, x: Any, weights: tuple[Any, ...]) -> tuple[Any, ..
     return tuple(ops.linear(x, w) for w in weights)
 
 
+def compose_norm_rope(ops: Ops, x: Any, w: Any, eps: float, positions: Any, inv_freq: Any) -> Any:
+    """RMSNorm (weight ``w`` or None), then RoPE at ``positions`` (one per token of ``x [T, ..., d]``), from core ops:
+    the definition of the op ``norm_rope``."""
+    return ops.rope(ops.rms_norm(x, w, eps), positions, inv_freq)
+
+
 def compose_compress_step(ops: Ops, kv_row: Any, gate_row: Any, ape: Any, pos: Any, buf_kv: Any, buf_gate: Any,
                           prev_kv: Any, prev_gate: Any, rows: Any, norm: Any, eps: float, inv_freq: Any,
                           finish: RowHook | None = None) -> Any:
@@ -302,11 +308,12 @@ class Attention:
     def _project(self, ops: Ops, x: Any, pos: Any) -> tuple[Any, Any, Any]:
         """(normalised query latent ``[T, q_lora]``, RoPE'd queries ``[T, H, hd]``, the K=V rows ``[T, hd]``)."""
         cfg, T, eps = self.cfg, x.shape[0], self.cfg.rms_norm_eps
+        norm_rope = ops.norm_rope if ops.has("norm_rope") else functools.partial(compose_norm_rope, ops)
         q_low, kv = project(ops, x, (self.attn_q_a, self.attn_kv))
         qr = ops.rms_norm(q_low, self.attn_q_a_norm, eps)
-        q = ops.rms_norm(ops.linear(qr, self.attn_q_b).reshape(T, cfg.num_heads, cfg.head_dim), None, eps)
-        q = ops.rope(q, pos, self.inv_freq)
-        kv = ops.rope(ops.rms_norm(kv, self.attn_kv_a_norm, eps), pos, self.inv_freq)
+        q = norm_rope(ops.linear(qr, self.attn_q_b).reshape(T, cfg.num_heads, cfg.head_dim), None, eps, pos,
+                      self.inv_freq)
+        kv = norm_rope(kv, self.attn_kv_a_norm, eps, pos, self.inv_freq)
         if self.kv_finish is not None:
             kv = self.kv_finish(kv)
         return qr, q, kv

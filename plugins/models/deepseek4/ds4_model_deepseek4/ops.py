@@ -1,5 +1,5 @@
 """DeepSeek-V4-only ops (numpy references): the QAT roundings of spec §10, the fused compressor step, shared
-expert, indexer selection, projections of one input and a sub-layer's normalised input.
+expert, indexer selection, projections of one input, a sub-layer's normalised input and RMSNorm with RoPE.
 
 Registered for backend ``"numpy"`` through ``register_kernels`` (names in :mod:`.opnames`). The
 hyper-connection and compressor-pool ops the graph also uses are core ops (:mod:`ds4_core.ops_hc`).
@@ -19,6 +19,7 @@ from .model import (
     compose_hc_pre_norm,
     compose_index_select,
     compose_linears,
+    compose_norm_rope,
     compose_shared_expert,
 )
 from .qat import fp4_hadamard_round, fp8_kv_round
@@ -60,6 +61,12 @@ def hc_pre_norm(S: Any, fn: Any, scale: Any, base: Any, iters: int, eps: float, 
     return compose_hc_pre_norm(_NUMPY_OPS, S, fn, scale, base, iters, eps, norm_eps, norm)
 
 
+def norm_rope(x: Any, w: Any, eps: float, positions: Any, inv_freq: Any) -> Any:
+    """RMSNorm then RoPE (:func:`.model.compose_norm_rope` over the core numpy ops), the reference of backends that
+    do both in one launch."""
+    return compose_norm_rope(_NUMPY_OPS, x, w, eps, positions, inv_freq)
+
+
 DEEPSEEK4_OPS: dict[str, Callable] = {
     "fp8_kv_round": fp8_kv_round,
     "fp4_hadamard_round": fp4_hadamard_round,
@@ -68,4 +75,5 @@ DEEPSEEK4_OPS: dict[str, Callable] = {
     "index_select": index_select,
     "linears": linears,
     "hc_pre_norm": hc_pre_norm,
+    "norm_rope": norm_rope,
 }

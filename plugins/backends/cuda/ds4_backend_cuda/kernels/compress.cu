@@ -11,6 +11,7 @@
 // block; dynamic shared memory: d floats).
 #define POOL_CHANNELS 32  // channels of a compress_pool block (threadIdx.x)
 #define POOL_GROUPS 8     // slot groups of a channel (threadIdx.y: slots s = y, y + 8, ...), merged in order
+#define POOL_LOADS 4      // slots of a group whose loads are in flight together
 
 extern "C" __global__ void __launch_bounds__(POOL_CHANNELS * POOL_GROUPS) compress_pool(
         const float* __restrict__ kv_row, const float* __restrict__ gate_row, const float* __restrict__ ape,
@@ -28,24 +29,36 @@ extern "C" __global__ void __launch_bounds__(POOL_CHANNELS * POOL_GROUPS) compre
             buf_gate[slot * width + k] = gate_row[k] + ape[slot * width + k];
         }
     }
-    __syncthreads();
-    // slot s < m of an overlapping compressor is row s of prev_* [m, d]; the others rows of buf_* [m, width] (+d)
+    // slot s < m of an overlapping compressor is row s of prev_* [m, d]; the others rows of buf_* [m, width] (+d),
+    // the token's own slot read from its rows (the ring's copy is being written). A thread's slots go POOL_LOADS at
+    // a time, their loads in flight together (an HCA window's 128 slots are 16 a thread).
     const int slots = overlap ? 2 * m : m, first = overlap ? m : 0, shift = overlap ? d : 0;
     float peak = neg_inf, sum = 0.f, acc = 0.f;
-    for (int s = y; live && s < slots; s += POOL_GROUPS) {  // one pass: rescaled when the peak rises
-        const bool old = overlap && s < m;
-        const float g = old ? prev_gate[s * d + c] : buf_gate[(s - first) * width + shift + c];
-        if (g == neg_inf) continue;  // weight 0 (window 0's missing first halves)
-        const float v = old ? prev_kv[s * d + c] : buf_kv[(s - first) * width + shift + c];
-        if (g > peak) {
-            const float r = expf(peak - g);
-            sum *= r;
-            acc *= r;
-            peak = g;
+    for (int s0 = y; live && s0 < slots; s0 += POOL_LOADS * POOL_GROUPS) {  // one pass: rescaled when the peak rises
+        float g[POOL_LOADS], v[POOL_LOADS];
+#pragma unroll
+        for (int u = 0; u < POOL_LOADS; ++u) {
+            const int s = s0 + u * POOL_GROUPS, at = (s - first) * width + shift + c;
+            const bool old = overlap && s < m, own = !old && s - first == slot;
+            g[u] = s >= slots ? neg_inf
+                 : old        ? prev_gate[s * d + c]
+                 : own        ? gate_row[shift + c] + ape[at]
+                              : buf_gate[at];
+            v[u] = s >= slots ? 0.f : old ? prev_kv[s * d + c] : own ? kv_row[shift + c] : buf_kv[at];
         }
-        const float e = expf(g - peak);
-        sum += e;
-        acc += e * v;
+#pragma unroll
+        for (int u = 0; u < POOL_LOADS; ++u) {
+            if (g[u] == neg_inf) continue;  // weight 0 (window 0's missing first halves, slots past the window)
+            if (g[u] > peak) {
+                const float r = expf(peak - g[u]);
+                sum *= r;
+                acc *= r;
+                peak = g[u];
+            }
+            const float e = expf(g[u] - peak);
+            sum += e;
+            acc += e * v[u];
+        }
     }
     part[0][y][threadIdx.x] = peak;
     part[1][y][threadIdx.x] = sum;

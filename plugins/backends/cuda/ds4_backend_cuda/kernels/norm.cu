@@ -4,10 +4,13 @@
 // y[r] = x[r] / sqrt(mean(x[r]^2) + eps) [· w] for rows of width d; one block per row (blockDim.x a multiple of 32,
 // at most 1024); w may be null. A thread's first HELD elements and their weights are loaded at once and kept in
 // registers for the second pass (a strided loop would wait for each load in turn, and weights loaded after the sum
-// add a second memory round trip to a launch of a few µs); wider rows loop over the rest.
+// add a second memory round trip to a launch of a few µs); wider rows loop over the rest. With pos non-null the
+// normalised row is also RoPE'd as rope_rows does (row r of token r / rows_per_token; d <= HELD · blockDim.x): a
+// pair's two channels are held by neighbouring lanes.
 #define HELD 8
 extern "C" __global__ void rms_norm_rows(const float* __restrict__ x, const float* __restrict__ w, int d, float eps,
-                                         float* __restrict__ y) {
+                                         float* __restrict__ y, const int* __restrict__ pos,
+                                         const float* __restrict__ inv_freq, int half, int rows_per_token) {
     __shared__ float partial[32];
     const float* xr = x + (size_t)blockIdx.x * d;
     float v[HELD], g[HELD];
@@ -33,10 +36,21 @@ extern "C" __global__ void rms_norm_rows(const float* __restrict__ x, const floa
     __syncthreads();
     const float root = sqrtf(partial[0] / (float)d + eps);
     float* yr = y + (size_t)blockIdx.x * d;
+    const float p = pos ? (float)pos[blockIdx.x / rows_per_token] : 0.f;
 #pragma unroll
     for (int k = 0; k < HELD; ++k) {
         const int i = threadIdx.x + k * blockDim.x;
-        if (i < d) yr[i] = v[k] / root * g[k];
+        float out = v[k] / root * g[k];
+        if (pos) {  // the same for the whole block
+            const float partner = __shfl_xor_sync(0xffffffffu, out, 1);  // channel i ^ 1
+            const int j = i - (d - 2 * half);
+            if (j >= 0 && i < d) {
+                float s, co;
+                sincosf(p * inv_freq[j >> 1], &s, &co);
+                out = (j & 1) ? partner * s + out * co : out * co - partner * s;
+            }
+        }
+        if (i < d) yr[i] = out;
     }
     for (int i = threadIdx.x + HELD * blockDim.x; i < d; i += blockDim.x) yr[i] = w ? xr[i] / root * w[i] : xr[i] / root;
 }
