@@ -101,15 +101,15 @@ class Compressor:
         return compose_compress_step(ops, *args, finish)
 
 
-def project(ops: Ops, x: Any, weights: tuple[Any, ...]) -> tuple[Any, ...]:
-    """``x [T, D]`` through each of ``weights`` (``[R_i, D]``) -> ``[T, R_i]`` each: the op ``linears`` where the
-    backend has it (a decode step's small projections of one input cost launches more than bytes)."""
-    return ops.linears(x, weights) if ops.has("linears") else compose_linears(ops, x, weights)
+def fused(ops: Ops, name: str, composition: Callable[..., Any]) -> Callable[..., Any]:
+    """The backend's op ``name`` (one of ``FUSED_OPS``) where it has one, else ``composition`` over the core ops,
+    the op's definition: a decode step's small ops cost launches more than bytes."""
+    return getattr(ops, name) if ops.has(name) else functools.partial(composition, ops)
 
 
 def compose_linears(ops: Ops, x: Any, weights: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Projections of one input from core ops, the definition of the op ``linears``: ``linear(x, w)`` for each of
-    ``weights``."""
+    """Projections of one input from core ops, the definition of the op ``linears``: ``x [T, D]`` through each of
+    ``weights`` (``[R_i, D]``) -> ``[T, R_i]`` each."""
     return tuple(ops.linear(x, w) for w in weights)
 
 
@@ -173,8 +173,7 @@ class Indexer:
             q = finish(q)
         # the head weights' scale nih^-1/2 rides on the scores' scale: one launch fewer
         scores = ops.indexer_scores(q, keys, head_w, (self.ih * self.nih) ** -0.5)
-        select = ops.index_select if ops.has("index_select") else functools.partial(compose_index_select, ops)
-        return select(scores, limit, self.topk, offset)
+        return fused(ops, "index_select", compose_index_select)(scores, limit, self.topk, offset)
 
 
 def compose_index_select(ops: Ops, scores: Any, limit: Any, k: int, offset: int) -> Any:
@@ -293,7 +292,7 @@ class Attention:
         weights = (self.compressor.kv, self.compressor.gate)
         if self.indexer is not None:
             weights += (self.indexer.compressor.kv, self.indexer.compressor.gate, self.indexer.proj)
-        proj = project(ops, x, weights)  # every projection of x the compressors and the indexer need
+        proj = fused(ops, "linears", compose_linears)(x, weights)  # every projection the compressors and indexer need
         rows = self.compressor.step(ops, *proj[:2], pos, ls.compressor, self.inv_freq, self.kv_finish)  # into ls.keys
         if self.indexer is None:
             parts = index.dense(self.m, rows.shape[0])
@@ -308,8 +307,8 @@ class Attention:
     def _project(self, ops: Ops, x: Any, pos: Any) -> tuple[Any, Any, Any]:
         """(normalised query latent ``[T, q_lora]``, RoPE'd queries ``[T, H, hd]``, the K=V rows ``[T, hd]``)."""
         cfg, T, eps = self.cfg, x.shape[0], self.cfg.rms_norm_eps
-        norm_rope = ops.norm_rope if ops.has("norm_rope") else functools.partial(compose_norm_rope, ops)
-        q_low, kv = project(ops, x, (self.attn_q_a, self.attn_kv))
+        norm_rope = fused(ops, "norm_rope", compose_norm_rope)
+        q_low, kv = fused(ops, "linears", compose_linears)(x, (self.attn_q_a, self.attn_kv))
         qr = ops.rms_norm(q_low, self.attn_q_a_norm, eps)
         q = norm_rope(ops.linear(qr, self.attn_q_b).reshape(T, cfg.num_heads, cfg.head_dim), None, eps, pos,
                       self.inv_freq)
@@ -354,7 +353,7 @@ class MoE:
         idx, weights = ops.moe_route(ops.linear(x, self.ffn_gate_inp), self.exp_probs_b, self.k, self.scale, fixed)
         routed = ops.moe_experts(x, self.ffn_gate_exps, self.ffn_up_exps, self.ffn_down_exps, idx, weights,
                                  self.limit)
-        shared = ops.shared_expert if ops.has("shared_expert") else functools.partial(compose_shared_expert, ops)
+        shared = fused(ops, "shared_expert", compose_shared_expert)
         return routed + shared(x, self.ffn_gate_shexp, self.ffn_up_shexp, self.ffn_down_shexp, self.limit)
 
 
@@ -394,7 +393,7 @@ class Block:
         the step's shared ``index``)."""
         cfg = self.cfg
         hc = (cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
-        pre = ops.hc_pre_norm if ops.has("hc_pre_norm") else functools.partial(compose_hc_pre_norm, ops)
+        pre = fused(ops, "hc_pre_norm", compose_hc_pre_norm)
         x, post, comb = pre(S, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, *hc, self.attn_norm)
         S = ops.hc_post(S, self.attn(ops, x, pos, ls, p0, index), post, comb)
         x, post, comb = pre(S, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, *hc, self.ffn_norm)
