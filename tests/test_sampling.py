@@ -104,10 +104,13 @@ def test_top_k_one_is_greedy(logits, p):
 
 @PROPERTY
 @given(logit_rows, st.floats(0.05, 3.0), st.integers(0, 999))
+@example(np.array([0.0, 1.5e-30], np.float32), 1.0, 0)  # two logits whose probabilities are equal
 def test_min_p_one_keeps_only_the_most_probable_tokens(logits, t, seed):
+    """Only tokens whose probability, exp((l - l_max) / T) in float64 as the temperature stage has it, equals the
+    top one's: the top logit, or one so close to it that the two probabilities are the same number."""
     sampler = Sampler(SamplingParams(temperature=t, min_p=1.0, seed=seed))
-    top = np.nanmax(logits)
-    assert all(logits[sampler.sample(logits)] == top for _ in range(5))
+    top = float(np.nanmax(logits))
+    assert all(np.exp((np.float64(logits[sampler.sample(logits)]) - top) / t) == 1.0 for _ in range(5))
 
 
 @PROPERTY
