@@ -102,6 +102,16 @@ class Backend:
         """
         return step(), None
 
+    def concurrently(self, *branches: Callable[[], Any]) -> tuple[Any, ...]:
+        """Run independent parts of a graph and return their results in order; a backend with several device
+        queues may overlap them (this base class runs them one after another).
+
+        Each branch may read arrays made before the call and write only what it returns or state that no other
+        branch touches. The arrays it reads must stay referenced until the call returns (the caller's variables
+        are), since a device may still be reading them when a branch's Python code is done.
+        """
+        return tuple(branch() for branch in branches)
+
 
 class Ops:
     """The op vocabulary bound to one backend: ``ops.linear(x, w)`` calls its kernel."""
@@ -119,6 +129,10 @@ class Ops:
 
     def has(self, op: str) -> bool:
         return op in self._kernels
+
+    def concurrently(self, *branches: Callable[[], Any]) -> tuple[Any, ...]:
+        """:meth:`Backend.concurrently` of the bound backend: independent branches of a graph, results in order."""
+        return self.backend.concurrently(*branches)
 
     def missing(self, required: Iterable[str]) -> list[str]:
         """The ops of ``required`` this backend cannot run, sorted."""

@@ -53,3 +53,17 @@ def test_after_a_failed_recording_later_states_are_not_recorded_again():
         graphs(2, 1, state)
     assert backend.calls == 1
     assert all(s.seen == [(1, 0), (2, 1)] for s in states)
+
+
+def test_branches_run_in_order_once_each_and_return_their_results_in_order():
+    from ds4_core.backend import Ops
+
+    ran: list[str] = []
+    ops = Ops(NumpyBackend(), {})
+
+    def branch(name: str, value: int):
+        return lambda: ran.append(name) or value
+
+    assert ops.concurrently(branch("a", 1), branch("b", 2), branch("c", 3)) == (1, 2, 3)
+    assert ran == ["a", "b", "c"]
+    assert ops.concurrently() == ()

@@ -45,6 +45,8 @@ class CudaBackend(Backend):
         self._peak = 0
         #: Decode steps replay CUDA graphs unless ``DS4_CUDA_GRAPHS=0``.
         self.graphs = os.environ.get("DS4_CUDA_GRAPHS", "1") != "0"
+        #: Streams that run the second, third ... branch of :meth:`concurrently`, made on first use.
+        self._branch_streams: list[Any] = []
         warm()
 
     def upload(self, name: str, qtype: str, shape: tuple[int, ...], raw: np.ndarray) -> Weight:
@@ -100,6 +102,34 @@ class CudaBackend(Backend):
         """Bytes the device can still give: free device memory plus blocks CuPy's pool holds but does not use."""
         free, _ = self.xp.cuda.runtime.memGetInfo()
         return free + self.xp.get_default_memory_pool().free_bytes()
+
+    def concurrently(self, *branches: Callable[[], Any]) -> tuple[Any, ...]:
+        """The first branch on the current stream, each other on a stream of its own that waits for the work queued
+        so far; the current stream then waits for them all. Inside a capture the branches become parallel paths
+        of the graph: a decode step's small launches keep few multiprocessors busy, so independent ones overlap.
+
+        CuPy's pool hands a freed block only to later work of the stream that allocated it, and every branch
+        starts after the work queued before the call, so blocks freed inside a branch cannot be reused under a
+        running kernel of another branch.
+        """
+        if len(branches) < 2:
+            return tuple(branch() for branch in branches)
+        cupy = self.xp
+        while len(self._branch_streams) < len(branches) - 1:
+            self._branch_streams.append(cupy.cuda.Stream(non_blocking=True))
+        current = cupy.cuda.get_current_stream()
+        fork = current.record()
+        results: list[Any] = [None] * len(branches)
+        joins = []
+        for i, (branch, stream) in enumerate(zip(branches[1:], self._branch_streams, strict=False), start=1):
+            stream.wait_event(fork)
+            with stream:
+                results[i] = branch()
+            joins.append(stream.record())
+        results[0] = branches[0]()
+        for join in joins:
+            current.wait_event(join)
+        return tuple(results)
 
     def capture(self, step: Callable[[], Any]) -> tuple[Any, Callable[[], Any] | None]:
         """Run ``step`` on a private stream, then record it as a CUDA graph replayed on the caller's stream.

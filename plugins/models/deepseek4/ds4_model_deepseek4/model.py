@@ -284,11 +284,21 @@ class Attention:
 
         Shapes depend only on the context: the query reads every ring slot that holds a position in its window
         and (CSA/HCA) the selected compressed rows, with the complete-window mask computed from ``pos``, all rows
-        of the layer's one key buffer ``ls.keys`` (so nothing is gathered or concatenated but the indices)."""
-        qr, q, kv = self._project(ops, x, pos)
-        ls.raw[index.slot] = kv
+        of the layer's one key buffer ``ls.keys`` (so nothing is gathered or concatenated but the indices). The
+        queries and the keys' side (new row, compressors, indexer) are independent until attention, so the
+        backend may run them concurrently."""
+        qr, kv = self._latents(ops, x)
+        q, (keys, parts) = ops.concurrently(lambda: self._queries(ops, qr, pos),
+                                            lambda: self._step_keys(ops, x, qr, kv, pos, ls, index))
+        return self._attend(ops, q, keys, parts, pos)
+
+    def _step_keys(self, ops: Ops, x: Any, qr: Any, kv: Any, pos: Any, ls: LayerState,
+                   index: StepIndex) -> tuple[Any, Any]:
+        """A step's keys: the new raw row into the ring, the compressors' and indexer's steps -> (the key rows, the
+        rows of them the query reads ``[1, K]``)."""
+        ls.raw[index.slot] = self._kv_rows(ops, kv, pos)
         if self.compressor is None:
-            return self._attend(ops, q, ls.raw, index.window, pos)
+            return ls.raw, index.window
         weights = (self.compressor.kv, self.compressor.gate)
         if self.indexer is not None:
             weights += (self.indexer.compressor.kv, self.indexer.compressor.gate, self.indexer.proj)
@@ -302,20 +312,29 @@ class Attention:
             sel = self.indexer.select(ops, proj[4], qr, pos, index_rows, index.limit(self.m), self.inv_freq,
                                       self.index_finish, index.W)
             parts = ops.xp.concatenate([index.window, sel], axis=1)
-        return self._attend(ops, q, ls.attention_keys(ops.xp), parts, pos)
+        return ls.attention_keys(ops.xp), parts
 
     def _project(self, ops: Ops, x: Any, pos: Any) -> tuple[Any, Any, Any]:
         """(normalised query latent ``[T, q_lora]``, RoPE'd queries ``[T, H, hd]``, the K=V rows ``[T, hd]``)."""
-        cfg, T, eps = self.cfg, x.shape[0], self.cfg.rms_norm_eps
-        norm_rope = fused(ops, "norm_rope", compose_norm_rope)
+        qr, kv = self._latents(ops, x)
+        return qr, self._queries(ops, qr, pos), self._kv_rows(ops, kv, pos)
+
+    def _latents(self, ops: Ops, x: Any) -> tuple[Any, Any]:
+        """(normalised query latent ``[T, q_lora]``, the K=V rows before their norm ``[T, hd]``)."""
         q_low, kv = fused(ops, "linears", compose_linears)(x, (self.attn_q_a, self.attn_kv))
-        qr = ops.rms_norm(q_low, self.attn_q_a_norm, eps)
-        q = norm_rope(ops.linear(qr, self.attn_q_b).reshape(T, cfg.num_heads, cfg.head_dim), None, eps, pos,
-                      self.inv_freq)
-        kv = norm_rope(kv, self.attn_kv_a_norm, eps, pos, self.inv_freq)
-        if self.kv_finish is not None:
-            kv = self.kv_finish(kv)
-        return qr, q, kv
+        return ops.rms_norm(q_low, self.attn_q_a_norm, self.cfg.rms_norm_eps), kv
+
+    def _queries(self, ops: Ops, qr: Any, pos: Any) -> Any:
+        """RoPE'd queries ``[T, H, hd]`` of the latent ``qr``."""
+        cfg = self.cfg
+        q = ops.linear(qr, self.attn_q_b).reshape(qr.shape[0], cfg.num_heads, cfg.head_dim)
+        return fused(ops, "norm_rope", compose_norm_rope)(q, None, cfg.rms_norm_eps, pos, self.inv_freq)
+
+    def _kv_rows(self, ops: Ops, kv: Any, pos: Any) -> Any:
+        """The K=V rows ``[T, hd]``: normalised, RoPE'd and (QAT) rounded."""
+        kv = fused(ops, "norm_rope", compose_norm_rope)(kv, self.attn_kv_a_norm, self.cfg.rms_norm_eps, pos,
+                                                        self.inv_freq)
+        return kv if self.kv_finish is None else self.kv_finish(kv)
 
     def _attend(self, ops: Ops, q: Any, keys: Any, idx: Any, pos: Any) -> Any:
         """Sparse attention of ``q [T, H, hd]`` over the rows ``keys [N, hd]`` at the indices ``idx [T, K]``, then
@@ -350,11 +369,16 @@ class MoE:
     def __call__(self, ops: Ops, x: Any, ids: Any) -> Any:
         """``x [T, D]``, token ids ``[T]`` -> ``[T, D]``."""
         fixed = None if self.ffn_gate_tid2eid is None else self.ffn_gate_tid2eid[ids]
-        idx, weights = ops.moe_route(ops.linear(x, self.ffn_gate_inp), self.exp_probs_b, self.k, self.scale, fixed)
-        routed = ops.moe_experts(x, self.ffn_gate_exps, self.ffn_up_exps, self.ffn_down_exps, idx, weights,
-                                 self.limit)
         shared = fused(ops, "shared_expert", compose_shared_expert)
-        return routed + shared(x, self.ffn_gate_shexp, self.ffn_up_shexp, self.ffn_down_shexp, self.limit)
+        routed, common = ops.concurrently(
+            lambda: self._routed(ops, x, fixed),
+            lambda: shared(x, self.ffn_gate_shexp, self.ffn_up_shexp, self.ffn_down_shexp, self.limit))
+        return routed + common
+
+    def _routed(self, ops: Ops, x: Any, fixed: Any) -> Any:
+        idx, weights = ops.moe_route(ops.linear(x, self.ffn_gate_inp), self.exp_probs_b, self.k, self.scale, fixed)
+        return ops.moe_experts(x, self.ffn_gate_exps, self.ffn_up_exps, self.ffn_down_exps, idx, weights,
+                               self.limit)
 
 
 def compose_shared_expert(ops: Ops, x: Any, gate: Any, up: Any, down: Any, limit: float) -> Any:

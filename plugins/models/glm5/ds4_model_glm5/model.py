@@ -143,13 +143,19 @@ class MoE:
         self.ffn_down_shexp = w.get(f"{blk}.ffn_down_shexp.weight", (D, Fs), MATMUL)
 
     def __call__(self, ops: Ops, x: Any) -> Any:
+        routed, shared = ops.concurrently(lambda: self._routed(ops, x), lambda: self._shared(ops, x))
+        return routed + shared
+
+    def _routed(self, ops: Ops, x: Any) -> Any:
         cfg = self.cfg
         idx, weights = ops.moe_route_sigmoid(ops.linear(x, self.ffn_gate_inp), self.exp_probs_b, cfg.n_experts_used,
                                              cfg.routed_scaling_factor, cfg.n_group, cfg.topk_group,
                                              cfg.expert_weights_norm)
-        routed = ops.moe_experts(x, self.ffn_gate_exps, self.ffn_up_exps, self.ffn_down_exps, idx, weights, 0.0)
+        return ops.moe_experts(x, self.ffn_gate_exps, self.ffn_up_exps, self.ffn_down_exps, idx, weights, 0.0)
+
+    def _shared(self, ops: Ops, x: Any) -> Any:
         h = ops.swiglu(ops.linear(x, self.ffn_gate_shexp), ops.linear(x, self.ffn_up_shexp), 0.0)
-        return routed + ops.linear(h, self.ffn_down_shexp)
+        return ops.linear(h, self.ffn_down_shexp)
 
 
 class Block:

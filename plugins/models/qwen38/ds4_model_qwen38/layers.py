@@ -175,10 +175,16 @@ class MoE:
 
     def __call__(self, ops: Ops, x: Any) -> Any:
         """``x [T, D]`` -> ``[T, D]``."""
+        routed, shared = ops.concurrently(lambda: self._routed(ops, x), lambda: self._shared(ops, x))
+        return routed + shared
+
+    def _routed(self, ops: Ops, x: Any) -> Any:
         idx, weights = ops.moe_route_softmax(ops.linear(x, self.ffn_gate_inp), self.k, self.normalize)
-        routed = ops.moe_experts(x, self.ffn_gate_exps, self.ffn_up_exps, self.ffn_down_exps, idx, weights, 0.0)
+        return ops.moe_experts(x, self.ffn_gate_exps, self.ffn_up_exps, self.ffn_down_exps, idx, weights, 0.0)
+
+    def _shared(self, ops: Ops, x: Any) -> Any:
         h = ops.swiglu(ops.linear(x, self.ffn_gate_shexp), ops.linear(x, self.ffn_up_shexp), 0.0)
-        return routed + sigmoid(ops.xp, ops.linear(x, self.ffn_gate_inp_shexp)) * ops.linear(h, self.ffn_down_shexp)
+        return sigmoid(ops.xp, ops.linear(x, self.ffn_gate_inp_shexp)) * ops.linear(h, self.ffn_down_shexp)
 
 
 class PerLayerEmbedding:
