@@ -94,7 +94,7 @@ def hc_pre_norm(S: Any, fn: Weight, scale: Weight, base: Weight, iters: int, eps
     slices, mix, part = _mix_slices(S, fn)
     pre, post, comb, out = (cp.empty((T, n), F32), cp.empty((T, n), F32), cp.empty((T, n, n), F32),
                             cp.empty((T, D), F32))
-    glue_module().get_function("hc_split_norm")((T,), (HC_NORM_THREADS,), (
+    glue_module().get_function("hc_split_norm")((T, 2), (HC_NORM_THREADS,), (
         mix, part, np.int32(slices), np.int32(n * D), F32(norm_eps), cp.ascontiguousarray(values(scale), dtype=F32),
         cp.ascontiguousarray(values(base), dtype=F32), np.int32(iters), F32(eps), pre, post, comb, S,
         np.int32(D), cp.ascontiguousarray(values(norm), dtype=F32), out))

@@ -159,18 +159,18 @@ class Indexer:
         self.proj = w.get(f"{blk}.indexer.proj.weight", (self.nih, cfg.hidden_size), FLOAT)
         self.compressor = Compressor(w, ops, f"{blk}.indexer_compressor", cfg, m, self.ih, overlap=True)
 
-    def select(self, ops: Ops, head_w: Any, qr: Any, pos: Any, keys: Any, limit: Any, inv_freq: Any,
-               finish: RowHook | None, offset: int) -> Any:
+    def queries(self, ops: Ops, qr: Any, pos: Any, inv_freq: Any, finish: RowHook | None) -> Any:
+        """The index queries ``[T, nih, ih]`` of the normalised query latent ``qr [T, q_lora]``."""
+        q = ops.rope(ops.linear(qr, self.attn_q_b).reshape(qr.shape[0], self.nih, self.ih), pos, inv_freq)
+        return q if finish is None else finish(q)
+
+    def select(self, ops: Ops, q: Any, head_w: Any, keys: Any, limit: Any, offset: int) -> Any:
         """Top-k compressed rows per query plus ``offset``, ``[T, min(topk, R)]`` int32 (``-1`` = none), among rows
         ``w < limit[t]``.
 
-        ``head_w [T, nih]`` the attention input through :attr:`proj`, ``qr [T, q_lora]`` normalised query latent,
+        ``q [T, nih, ih]`` the :meth:`queries`, ``head_w [T, nih]`` the attention input through :attr:`proj`,
         ``keys [R, ih]`` indexer rows.
         """
-        T = qr.shape[0]
-        q = ops.rope(ops.linear(qr, self.attn_q_b).reshape(T, self.nih, self.ih), pos, inv_freq)
-        if finish is not None:
-            q = finish(q)
         # the head weights' scale nih^-1/2 rides on the scores' scale: one launch fewer
         scores = ops.indexer_scores(q, keys, head_w, (self.ih * self.nih) ** -0.5)
         return fused(ops, "index_select", compose_index_select)(scores, limit, self.topk, offset)
@@ -270,8 +270,8 @@ class Attention:
             if self.indexer is not None:
                 index_rows = self.indexer.compressor(ops, x, pos, ls.indexer, p0, self.inv_freq, self.index_finish)
                 if rows.shape[0] > self.indexer.topk:
-                    sel = self.indexer.select(ops, ops.linear(x, self.indexer.proj), qr, pos, index_rows, limit,
-                                              self.inv_freq, self.index_finish, offset)
+                    iq = self.indexer.queries(ops, qr, pos, self.inv_freq, self.index_finish)
+                    sel = self.indexer.select(ops, iq, ops.linear(x, self.indexer.proj), index_rows, limit, offset)
             if sel is None:  # every complete row is visible
                 w = xp.arange(rows.shape[0])[None, :]
                 sel = xp.where(w < limit[:, None], w + offset, -1)
@@ -285,34 +285,37 @@ class Attention:
         Shapes depend only on the context: the query reads every ring slot that holds a position in its window
         and (CSA/HCA) the selected compressed rows, with the complete-window mask computed from ``pos``, all rows
         of the layer's one key buffer ``ls.keys`` (so nothing is gathered or concatenated but the indices). The
-        queries and the keys' side (new row, compressors, indexer) are independent until attention, so the
-        backend may run them concurrently."""
+        queries, the new rows (raw and compressed) and the index queries do not depend on each other, so the
+        backend may compute them concurrently."""
         qr, kv = self._latents(ops, x)
-        q, (keys, parts) = ops.concurrently(lambda: self._queries(ops, qr, pos),
-                                            lambda: self._step_keys(ops, x, qr, kv, pos, ls, index))
-        return self._attend(ops, q, keys, parts, pos)
+        branches = [lambda: self._queries(ops, qr, pos), lambda: self._step_rows(ops, x, kv, pos, ls, index)]
+        if self.indexer is not None:
+            branches.append(lambda: self.indexer.queries(ops, qr, pos, self.inv_freq, self.index_finish))
+        q, rows, *index_q = ops.concurrently(*branches)
+        if self.compressor is None:
+            return self._attend(ops, q, ls.raw, index.window, pos)
+        if self.indexer is None:
+            parts = index.dense(self.m, rows[0].shape[0])
+        else:
+            sel = self.indexer.select(ops, index_q[0], rows[2], rows[1], index.limit(self.m), index.W)
+            parts = ops.xp.concatenate([index.window, sel], axis=1)
+        return self._attend(ops, q, ls.attention_keys(ops.xp), parts, pos)
 
-    def _step_keys(self, ops: Ops, x: Any, qr: Any, kv: Any, pos: Any, ls: LayerState,
-                   index: StepIndex) -> tuple[Any, Any]:
-        """A step's keys: the new raw row into the ring, the compressors' and indexer's steps -> (the key rows, the
-        rows of them the query reads ``[1, K]``)."""
+    def _step_rows(self, ops: Ops, x: Any, kv: Any, pos: Any, ls: LayerState, index: StepIndex) -> tuple[Any, ...]:
+        """A step's new rows: the raw one into the ring, then (CSA/HCA) the compressors' -> ``()`` (sliding),
+        ``(compressed rows,)`` (HCA) or ``(compressed rows, indexer rows, head weights [1, nih])`` (CSA)."""
         ls.raw[index.slot] = self._kv_rows(ops, kv, pos)
         if self.compressor is None:
-            return ls.raw, index.window
+            return ()
         weights = (self.compressor.kv, self.compressor.gate)
         if self.indexer is not None:
             weights += (self.indexer.compressor.kv, self.indexer.compressor.gate, self.indexer.proj)
         proj = fused(ops, "linears", compose_linears)(x, weights)  # every projection the compressors and indexer need
         rows = self.compressor.step(ops, *proj[:2], pos, ls.compressor, self.inv_freq, self.kv_finish)  # into ls.keys
         if self.indexer is None:
-            parts = index.dense(self.m, rows.shape[0])
-        else:
-            index_rows = self.indexer.compressor.step(ops, *proj[2:4], pos, ls.indexer, self.inv_freq,
-                                                      self.index_finish)
-            sel = self.indexer.select(ops, proj[4], qr, pos, index_rows, index.limit(self.m), self.inv_freq,
-                                      self.index_finish, index.W)
-            parts = ops.xp.concatenate([index.window, sel], axis=1)
-        return ls.attention_keys(ops.xp), parts
+            return (rows,)
+        index_rows = self.indexer.compressor.step(ops, *proj[2:4], pos, ls.indexer, self.inv_freq, self.index_finish)
+        return rows, index_rows, proj[4]
 
     def _project(self, ops: Ops, x: Any, pos: Any) -> tuple[Any, Any, Any]:
         """(normalised query latent ``[T, q_lora]``, RoPE'd queries ``[T, H, hd]``, the K=V rows ``[T, hd]``)."""

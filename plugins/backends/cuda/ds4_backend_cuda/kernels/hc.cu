@@ -171,12 +171,13 @@ extern "C" __global__ void hc_split(float* __restrict__ mix, const float* __rest
 }
 
 // hc_split with the slices, then the collapse c = sum_i pre_i · S_i of the streams S [T, n, D] and its RMSNorm with
-// weight w -> out [T, D], in one block per token: warp 0 makes the mix row and pre; every thread loads its column
-// quads of all streams at once (one memory round trip; a loop over streams and columns waited for each load in
-// turn), collapses and normalises them; then warp 0 runs the Sinkhorn iterations (post and comb, which only the
-// sub-layer's end needs). Three launches of a decode step's hyper-connection became one. HC_NORM_THREADS threads
-// (the registers of the Sinkhorn and the slice sums), D a multiple of 4 up to 4 · HC_QUADS · HC_NORM_THREADS;
-// n = HC_NORM_STREAMS, the models' 4.
+// weight w -> out [T, D]; grid (T, 2). Block (t, 0): warp 0 makes the mix row (in shared memory) and pre; every
+// thread loads its column quads of all streams at once (one memory round trip; a loop over streams and columns
+// waited for each load in turn), collapses and normalises them. Block (t, 1) makes the mix row too and runs the
+// Sinkhorn iterations (pre, post and comb into global memory): only the sub-layer's end needs them, so its 20
+// dependent iterations run beside the collapse instead of after it. Three launches of a decode step's
+// hyper-connection became one. HC_NORM_THREADS threads (the registers of the Sinkhorn and the slice sums), D a
+// multiple of 4 up to 4 · HC_QUADS · HC_NORM_THREADS; n = HC_NORM_STREAMS, the models' 4.
 #define HC_QUADS 4
 #define HC_NORM_THREADS 256
 #define HC_NORM_STREAMS 4
@@ -186,12 +187,21 @@ extern "C" __global__ void __launch_bounds__(HC_NORM_THREADS) hc_split_norm(
         float* __restrict__ post, float* __restrict__ comb, const float* __restrict__ S, int D,
         const float* __restrict__ w, float* __restrict__ out) {
     constexpr int N = HC_NORM_STREAMS, M = (2 + N) * N;
-    __shared__ float weight[N], partial[32];
+    __shared__ float weight[N], partial[32], row[M];
     const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    float* m = mix + (size_t)t * M;
+    const float* p = part + (size_t)t * (M + 1) * slices;
+    if (blockIdx.y == 1) {
+        if (warp == 0) {
+            float* m = mix + (size_t)t * M;
+            hc_mix_row(m, p, M, slices, K, norm_eps);
+            hc_split_warp<N>(m, scale, base, iters, eps, pre + (size_t)t * N, post + (size_t)t * N,
+                             comb + (size_t)t * N * N);
+        }
+        return;
+    }
     if (warp == 0) {
-        hc_mix_row(m, part + (size_t)t * (M + 1) * slices, M, slices, K, norm_eps);
-        if (lane < N) weight[lane] = hc_sigmoid(m[lane] * scale[0] + base[lane]) + eps;
+        hc_mix_row(row, p, M, slices, K, norm_eps);
+        if (lane < N) weight[lane] = hc_sigmoid(row[lane] * scale[0] + base[lane]) + eps;
     }
     const float4* s = reinterpret_cast<const float4*>(S + (size_t)t * N * D);
     const float4* w4 = reinterpret_cast<const float4*>(w);
@@ -236,9 +246,6 @@ extern "C" __global__ void __launch_bounds__(HC_NORM_THREADS) hc_split_norm(
             o[d] = make_float4(c[k].x / root * g[k].x, c[k].y / root * g[k].y, c[k].z / root * g[k].z,
                                c[k].w / root * g[k].w);
     }
-    if (warp == 0)
-        hc_split_warp<N>(m, scale, base, iters, eps, pre + (size_t)t * N, post + (size_t)t * N,
-                                  comb + (size_t)t * N * N);
 }
 
 // out[t, d] = sum_i w[t, i] · S[t, i, d]: the collapse of the streams S [T, n, D] with weights w [T, n] (also the
