@@ -142,12 +142,56 @@ extern "C" __global__ void scatter_pairs(const float* __restrict__ y, int D, con
 // shared memory, MMA_BK columns at a time, and multiplies them on tensor cores with up to MMA_BN tokens of that
 // expert (mma.sync m16n8k16, fp32 accumulation; inline PTX, so no header beyond NVRTC's own), so quantized weights
 // are read once per token tile and never written back.
+//
+// The column loop is software-pipelined with cp.async (sm_80+), which copies global memory into shared memory
+// without holding registers: while the warps multiply step s, the activation tile of step s + 1 (into the other of
+// two B tiles) and, when step s + 1 opens a new span of blocks, the raw weight blocks of that span (a shared
+// staging area) are already on their way, so the decode of step s + 1 reads shared memory rather than waiting on
+// L2 or DRAM. A format whose staging area would push the block past 48 KB of static shared memory (Q4_K, Q6_K,
+// F16, BF16 and F32 with two matrices) decodes straight from global memory as before; its activations are still
+// prefetched. Only the time of the loads changes: the same bytes reach Q::decode and the MMAs run in the same order.
 
 #define MMA_BM 64
 #define MMA_BN 64
 #define MMA_BK 64
 #define MMA_LD (MMA_BK + 8)   // shared row stride in 16-bit values: 144 bytes keeps ldmatrix conflict-free
 #define MMA_CLD (MMA_BM + 4)  // accumulator tile row stride in floats (token-major)
+
+// Copy N (4, 8 or 16) bytes global -> shared asynchronously; 16-byte copies skip L1 (the weights stream).
+template <int N>
+__device__ __forceinline__ void cp_async(void* dst, const void* src) {
+    u32 addr = (u32)__cvta_generic_to_shared(dst);
+    if constexpr (N == 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(addr), "l"(src) : "memory");
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(addr), "l"(src), "n"(N) : "memory");
+}
+
+// Wait for this thread's cp.async copies (a __syncthreads after it makes every thread's copies visible).
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// Shared memory of moe_mma16<Q, *, NW>. The staging of raw blocks: a span is the columns whose blocks are copied
+// at once (one MMA_BK step, or a whole block when QK > MMA_BK: the next copy then comes QK / MMA_BK steps later),
+// WIN the bytes of a row's blocks in a span. Copies of CH bytes keep each byte's address modulo CH, at least the
+// alignment a block of BYTES bytes can rely on (blocks lie back to back), so Q::decode's wide loads stay aligned
+// in shared memory; a row's window starts up to CH - 1 bytes after a CH boundary, hence LD. Whole CH-byte chunks
+// never pass the end of a buffer whose end is CH-aligned (device allocations are). STAGED: the staging area fits
+// static shared memory's 48 KB beside the A tiles and two B tiles. BLOCKS: the blocks per SM the registers are
+// capped for (128 or 80 a thread), as many as shared memory admits on sm_90 when staged: other blocks' decodes
+// and MMAs fill this block's barriers (unstaged Q6_K and F32 spill a few bytes under the cap; without one ptxas
+// takes 150-255 registers and 2-3 blocks fit).
+template <class Q, int NW>
+struct MmaPlan {
+    static constexpr int SPAN = Q::QK > MMA_BK ? Q::QK : MMA_BK;
+    static constexpr int WIN = SPAN / Q::QK * Q::BYTES;
+    static constexpr int CH = Q::BYTES % 16 == 0 ? 16 : Q::BYTES % 8 == 0 ? 8 : 4;
+    static constexpr int LD = (WIN + 2 * CH - 2) / CH * CH;
+    static constexpr int TILE = MMA_BM * MMA_LD;  // 16-bit values of an A or B tile
+    static constexpr int OPS = (NW + 2) * TILE * 2, RAW = NW * MMA_BM * LD, ACC = NW * MMA_BN * MMA_CLD * 4;
+    static constexpr bool STAGED = OPS + RAW <= 48 * 1024;
+    static constexpr int USED = OPS + (STAGED ? RAW : 0), SMEM = USED > ACC ? USED : ACC;
+    static constexpr int BLOCKS = NW == 2 ? 4 : 6;
+};
 
 // Four 8x8 16-bit matrices from shared memory; lane l gives the address of row l % 8 of matrix l / 8.
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const u16* row) {
@@ -182,58 +226,105 @@ __device__ __forceinline__ void mma16816<BHalf>(float (&d)[4], const u32 (&a)[4]
 // tiles[3 * blockIdx.y ..] = (expert, first sorted pair, token count <= MMA_BN). Token m's activations are row
 // gather ? pairs[first + m] / k : first + m of x16 [*, ncols] (16-bit bits). ncols % MMA_BK == 0 and a block of
 // the format never straddles an MMA_BK step (QK a multiple or divisor of MMA_BK). Four warps, each 32 rows x 32
-// tokens of the tile.
+// tokens of the tile. Thread tid decodes column unit tid % 8 of rows tid / 8 + 16i (i < 4) of each matrix and
+// copies the same units of the activations; it also stages the raw windows of those rows, chunks tid % 8 + 8j.
+// Step s: wait for its copies, barrier (they are visible, and the MMAs of s - 1 are done with A), decode into A,
+// barrier (A is complete, the staging area free), start the copies of s + 1, multiply step s.
 template <class Q, class O, int NW>
-__global__ void __launch_bounds__(128) moe_mma16(
+__global__ void __launch_bounds__(128, (MmaPlan<Q, NW>::BLOCKS)) moe_mma16(
         const u8* __restrict__ w0, const u8* __restrict__ w1, long long expert_bytes, long long row_bytes, int nrows,
         int ncols, const int* __restrict__ tiles, const u16* __restrict__ x16, const int* __restrict__ pairs, int k,
         int gather, const float* __restrict__ alpha, float limit, const float* __restrict__ hs,
         const float* __restrict__ weights, float* __restrict__ out, int ldc) {
     static_assert(MMA_BM == MMA_BN, "A and B tiles share one thread-to-row map");
-    constexpr int OPS = (NW + 1) * MMA_BM * MMA_LD * 2, ACC = NW * MMA_BN * MMA_CLD * 4;
-    __shared__ __align__(16) u8 smem[OPS > ACC ? OPS : ACC];
-    u16* A = reinterpret_cast<u16*>(smem);  // NW tiles [MMA_BM][MMA_LD], then B [MMA_BN][MMA_LD]
-    u16* B = A + NW * MMA_BM * MMA_LD;
+    using S = MmaPlan<Q, NW>;
+    constexpr int TILE = S::TILE;
+    constexpr bool STAGED = S::STAGED;
+    __shared__ __align__(16) u8 smem[S::SMEM];
+    u16* A = reinterpret_cast<u16*>(smem);  // NW tiles [MMA_BM][MMA_LD], then two B tiles [MMA_BN][MMA_LD]
+    u16* B = A + NW * TILE;                 // step s reads B + (s & 1) * TILE
+    u8* R = smem + S::OPS;  // STAGED: the raw window of (matrix n, row r) at (n * MMA_BM + r) * S::LD
     float* C = reinterpret_cast<float*>(smem);  // after the loop: NW tiles [MMA_BN][MMA_CLD]
     int e = tiles[3 * blockIdx.y], first = tiles[3 * blockIdx.y + 1], cnt = tiles[3 * blockIdx.y + 2];
     int r0 = blockIdx.x * MMA_BM, tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
     int wr = 32 * (warp >> 1), wc = 32 * (warp & 1);
     constexpr int UNITS = MMA_BM * MMA_BK / 8 / 128;  // 8-value units per thread per tile
+    static_assert(MMA_BK / 8 == 8 && UNITS == 4, "thread tid owns column unit tid % 8 of rows tid / 8 + 16i");
+    const int c = 8 * (tid % 8);
     const u8* arow[NW][UNITS];
     const u16* bsrc[UNITS];
 #pragma unroll
     for (int i = 0; i < UNITS; i++) {
-        int unit = tid + 128 * i, row = unit / (MMA_BK / 8);
+        int row = tid / 8 + 16 * i;
         long long off = (long long)e * expert_bytes + (long long)min(r0 + row, nrows - 1) * row_bytes;
         arow[0][i] = w0 + off;
         if constexpr (NW == 2) arow[1][i] = w1 + off;
         long long src = row < cnt ? (gather ? pairs[first + row] / k : first + row) : -1;
-        bsrc[i] = src < 0 ? nullptr : x16 + src * ncols + 8 * (unit % (MMA_BK / 8));
+        bsrc[i] = src < 0 ? nullptr : x16 + src * ncols + c;
     }
+    // Start the copies of step s: its activations into B tile s & 1 (padding tokens: zeros, stored directly) and,
+    // at the first step of a span, the raw windows.
+    auto start_copies = [&](int s) {
+        u16* b = B + (s & 1) * TILE;
+#pragma unroll
+        for (int i = 0; i < UNITS; i++) {
+            uint4* dst = reinterpret_cast<uint4*>(b + (tid / 8 + 16 * i) * MMA_LD + c);
+            if (bsrc[i]) cp_async<16>(dst, bsrc[i] + s * MMA_BK);
+            else *dst = make_uint4(0, 0, 0, 0);
+        }
+        if constexpr (STAGED) {
+            constexpr int SPAN_STEPS = S::SPAN / MMA_BK;
+            if (s % SPAN_STEPS) return;
+#pragma unroll
+            for (int n = 0; n < NW; n++)
+#pragma unroll
+                for (int i = 0; i < UNITS; i++) {
+                    const u8* win = arow[n][i] + (long long)(s / SPAN_STEPS) * S::WIN;
+                    int lead = (int)(reinterpret_cast<unsigned long long>(win) & (S::CH - 1));
+                    const u8* from = win - lead;
+                    u8* to = R + (n * MMA_BM + tid / 8 + 16 * i) * S::LD;
+#pragma unroll
+                    for (int ch = tid % 8; ch < S::LD / S::CH; ch += 8)
+                        if (ch * S::CH < lead + S::WIN) cp_async<S::CH>(to + ch * S::CH, from + ch * S::CH);
+                }
+        }
+    };
     float acc[NW][2][4][4] = {};
     // ldmatrix rows of this lane: A (16x16 at rows wr + 16i) and B (two 8-token tiles at wc + 16j).
     int a_row = wr + (lane & 7) + 8 * ((lane >> 3) & 1), a_col = 8 * (lane >> 4);
     int b_row = wc + (lane & 7) + 8 * (lane >> 4), b_col = 8 * ((lane >> 3) & 1);
-    for (int k0 = 0; k0 < ncols; k0 += MMA_BK) {
+    const int steps = ncols / MMA_BK;
+    start_copies(0);
+    for (int s = 0; s < steps; s++) {
+        cp_async_wait_all();
+        __syncthreads();
+        const int col = s * MMA_BK + c;
 #pragma unroll
         for (int i = 0; i < UNITS; i++) {
-            int unit = tid + 128 * i, row = unit / (MMA_BK / 8), c = 8 * (unit % (MMA_BK / 8));
-            int col = k0 + c;
+            int row = tid / 8 + 16 * i;
 #pragma unroll
             for (int n = 0; n < NW; n++) {
+                const u8* blk;
+                if constexpr (STAGED) {
+                    const u8* win = arow[n][i] + (long long)(col / S::SPAN) * S::WIN;
+                    int lead = (int)(reinterpret_cast<unsigned long long>(win) & (S::CH - 1));
+                    blk = R + (n * MMA_BM + row) * S::LD + lead + (col % S::SPAN) / Q::QK * Q::BYTES;
+                } else {
+                    blk = arow[n][i] + (long long)(col / Q::QK) * Q::BYTES;
+                }
                 float v[8];
-                Q::decode(arow[n][i] + (long long)(col / Q::QK) * Q::BYTES, (col % Q::QK) / 8, v);
+                Q::decode(blk, (col % Q::QK) / 8, v);
                 *reinterpret_cast<uint4*>(A + (n * MMA_BM + row) * MMA_LD + c) = pack8<O>(v);
             }
-            *reinterpret_cast<uint4*>(B + row * MMA_LD + c) =
-                bsrc[i] ? *reinterpret_cast<const uint4*>(bsrc[i] + k0) : make_uint4(0, 0, 0, 0);
         }
         __syncthreads();
+        if (s + 1 < steps) start_copies(s + 1);
+        const u16* Bs = B + (s & 1) * TILE;
 #pragma unroll
         for (int kk = 0; kk < MMA_BK; kk += 16) {
             u32 b[2][4];  // b[j]: tokens wc + 16j .. +15 as two 16x8 operands (regs 0-1, 2-3)
 #pragma unroll
-            for (int j = 0; j < 2; j++) ldmatrix_x4(b[j], B + (b_row + 16 * j) * MMA_LD + kk + b_col);
+            for (int j = 0; j < 2; j++) ldmatrix_x4(b[j], Bs + (b_row + 16 * j) * MMA_LD + kk + b_col);
 #pragma unroll
             for (int n = 0; n < NW; n++)
 #pragma unroll
@@ -244,8 +335,8 @@ __global__ void __launch_bounds__(128) moe_mma16(
                     for (int j = 0; j < 4; j++) mma16816<O>(acc[n][i][j], a, b[j / 2][2 * (j % 2)], b[j / 2][2 * (j % 2) + 1]);
                 }
         }
-        __syncthreads();
     }
+    __syncthreads();  // every warp is done with A and B before C overlays them
     // Fragment (n, i, j): rows wr + 16i + g (+8 for regs 2-3), tokens wc + 8j + 2t (+1 for odd regs).
     int g = lane >> 2, t = lane & 3;
 #pragma unroll
