@@ -66,3 +66,33 @@ def test_a_recorded_step_with_branches_replays_on_new_inputs(cuda_backend):
         x += 1
         got = cp.asnumpy(replay())
         np.testing.assert_allclose(got, _expected(cp.asnumpy(big), cp.asnumpy(x)), rtol=1e-4)
+
+
+def test_nested_branches_take_streams_no_running_branch_holds(cuda_backend):
+    import cupy as cp
+
+    big = cp.asarray(np.random.default_rng(2).standard_normal((2048, 4096), dtype=np.float32))
+    x = cp.arange(8, dtype=cp.float32)
+    streams: list[int] = []
+    slow, quick = _branches(cp, big, x, streams)
+    outer: list[int] = []
+
+    def nested():
+        outer.append(cp.cuda.get_current_stream().ptr)
+        a, b = cuda_backend.concurrently(slow, quick)
+        return a + b
+
+    def step():
+        got, again = cuda_backend.concurrently(lambda: cp.cos(x) * 2, nested)
+        return got + again
+
+    first, replay = cuda_backend.capture(step)
+    assert replay is not None
+    # the nested call ran twice (the real run, then the recording): its quick branch never shared the outer branch's
+    # stream, on which its slow branch ran
+    assert streams[0] not in outer and streams[1] == outer[0] and streams[2] not in outer and streams[3] == outer[1]
+    want = _expected(cp.asnumpy(big), cp.asnumpy(x)) + np.cos(cp.asnumpy(x).astype(np.float64)) * 2
+    np.testing.assert_allclose(cp.asnumpy(first), want, rtol=1e-4)
+    big *= -1.0
+    want = _expected(cp.asnumpy(big), cp.asnumpy(x)) + np.cos(cp.asnumpy(x).astype(np.float64)) * 2
+    np.testing.assert_allclose(cp.asnumpy(replay()), want, rtol=1e-4)

@@ -47,6 +47,7 @@ class CudaBackend(Backend):
         self.graphs = os.environ.get("DS4_CUDA_GRAPHS", "1") != "0"
         #: Streams that run the second, third ... branch of :meth:`concurrently`, made on first use.
         self._branch_streams: list[Any] = []
+        self._streams_taken = 0
         warm()
 
     def upload(self, name: str, qtype: str, shape: tuple[int, ...], raw: np.ndarray) -> Weight:
@@ -107,28 +108,37 @@ class CudaBackend(Backend):
         """The first branch on the current stream, each other on a stream of its own that waits for the work queued
         so far; the current stream then waits for them all. Inside a capture the branches become parallel paths
         of the graph: a decode step's small launches keep few multiprocessors busy, so independent ones overlap.
+        A branch may branch again.
 
-        CuPy's pool hands a freed block only to later work of the stream that allocated it, and every branch
-        starts after the work queued before the call, so blocks freed inside a branch cannot be reused under a
-        running kernel of another branch.
+        CuPy's pool hands a freed block only to later work of the stream that allocated it. Every branch starts
+        after the work queued before the call, and a stream serves one branch until the outermost call has joined
+        them all, so a block freed inside a branch is not reused under a running kernel of another branch.
         """
         if len(branches) < 2:
             return tuple(branch() for branch in branches)
         cupy = self.xp
-        while len(self._branch_streams) < len(branches) - 1:
+        outermost = self._streams_taken == 0
+        first = self._streams_taken
+        self._streams_taken += len(branches) - 1
+        while len(self._branch_streams) < self._streams_taken:
             self._branch_streams.append(cupy.cuda.Stream(non_blocking=True))
         current = cupy.cuda.get_current_stream()
         fork = current.record()
         results: list[Any] = [None] * len(branches)
         joins = []
-        for i, (branch, stream) in enumerate(zip(branches[1:], self._branch_streams, strict=False), start=1):
-            stream.wait_event(fork)
-            with stream:
-                results[i] = branch()
-            joins.append(stream.record())
-        results[0] = branches[0]()
-        for join in joins:
-            current.wait_event(join)
+        try:
+            for i, branch in enumerate(branches[1:], start=1):
+                stream = self._branch_streams[first + i - 1]
+                stream.wait_event(fork)
+                with stream:
+                    results[i] = branch()
+                joins.append(stream.record())
+            results[0] = branches[0]()
+        finally:
+            for join in joins:
+                current.wait_event(join)
+            if outermost:
+                self._streams_taken = 0
         return tuple(results)
 
     def capture(self, step: Callable[[], Any]) -> tuple[Any, Callable[[], Any] | None]:

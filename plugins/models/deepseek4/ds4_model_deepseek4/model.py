@@ -285,28 +285,36 @@ class Attention:
         Shapes depend only on the context: the query reads every ring slot that holds a position in its window
         and (CSA/HCA) the selected compressed rows, with the complete-window mask computed from ``pos``, all rows
         of the layer's one key buffer ``ls.keys`` (so nothing is gathered or concatenated but the indices). The
-        queries, the new rows (raw and compressed) and the index queries do not depend on each other, so the
-        backend may compute them concurrently."""
-        qr, kv = self._latents(ops, x)
-        branches = [lambda: self._queries(ops, qr, pos), lambda: self._step_rows(ops, x, kv, pos, ls, index)]
-        if self.indexer is not None:
-            branches.append(lambda: self.indexer.queries(ops, qr, pos, self.inv_freq, self.index_finish))
-        q, rows, *index_q = ops.concurrently(*branches)
+        compressors need only ``x``, so the backend may run them beside the queries and the raw row."""
         if self.compressor is None:
+            q, _ = self._step_queries(ops, x, pos, ls, index)
             return self._attend(ops, q, ls.raw, index.window, pos)
+        (q, index_q), rows = ops.concurrently(lambda: self._step_queries(ops, x, pos, ls, index),
+                                              lambda: self._step_compressed(ops, x, pos, ls))
         if self.indexer is None:
             parts = index.dense(self.m, rows[0].shape[0])
         else:
-            sel = self.indexer.select(ops, index_q[0], rows[2], rows[1], index.limit(self.m), index.W)
+            sel = self.indexer.select(ops, index_q, rows[2], rows[1], index.limit(self.m), index.W)
             parts = ops.xp.concatenate([index.window, sel], axis=1)
         return self._attend(ops, q, ls.attention_keys(ops.xp), parts, pos)
 
-    def _step_rows(self, ops: Ops, x: Any, kv: Any, pos: Any, ls: LayerState, index: StepIndex) -> tuple[Any, ...]:
-        """A step's new rows: the raw one into the ring, then (CSA/HCA) the compressors' -> ``()`` (sliding),
-        ``(compressed rows,)`` (HCA) or ``(compressed rows, indexer rows, head weights [1, nih])`` (CSA)."""
-        ls.raw[index.slot] = self._kv_rows(ops, kv, pos)
-        if self.compressor is None:
-            return ()
+    def _step_queries(self, ops: Ops, x: Any, pos: Any, ls: LayerState, index: StepIndex) -> tuple[Any, Any]:
+        """A step's queries and (CSA, else None) index queries; its raw row goes into the ring. All three need the
+        query latent or the raw row and nothing else, so they may run concurrently."""
+        qr, kv = self._latents(ops, x)
+
+        def put_raw() -> None:
+            ls.raw[index.slot] = self._kv_rows(ops, kv, pos)
+
+        branches = [lambda: self._queries(ops, qr, pos), put_raw]
+        if self.indexer is not None:
+            branches.append(lambda: self.indexer.queries(ops, qr, pos, self.inv_freq, self.index_finish))
+        q, _, *index_q = ops.concurrently(*branches)
+        return q, index_q[0] if index_q else None
+
+    def _step_compressed(self, ops: Ops, x: Any, pos: Any, ls: LayerState) -> tuple[Any, ...]:
+        """A step of the compressors -> ``(compressed rows,)`` (HCA) or ``(compressed rows, indexer rows, head
+        weights [1, nih])`` (CSA)."""
         weights = (self.compressor.kv, self.compressor.gate)
         if self.indexer is not None:
             weights += (self.indexer.compressor.kv, self.indexer.compressor.gate, self.indexer.proj)
