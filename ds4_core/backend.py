@@ -89,6 +89,9 @@ class Backend:
         """Bytes still available for decoding state on this backend's device (``None``: unknown)."""
         return None
 
+    def release_scratch(self) -> None:
+        """Give cached scratch memory back to the device (after a prompt fed in several chunks; no-op here)."""
+
     #: Whether :meth:`capture` records work for replay (a model then runs its decode steps as graphs).
     graphs: bool = False
 
@@ -104,7 +107,8 @@ class Backend:
 
     def concurrently(self, *branches: Callable[[], Any]) -> tuple[Any, ...]:
         """Run independent parts of a graph and return their results in order; a backend with several device
-        queues may overlap them (this base class runs them one after another).
+        queues may overlap them (this base class runs them one after another). Put the longest first: a busy
+        device tends to start work in the order it was queued.
 
         Each branch may read arrays made before the call and write only what it returns or state that no other
         branch touches. The arrays it reads must stay referenced until the call returns (the caller's variables

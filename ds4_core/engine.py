@@ -308,6 +308,8 @@ class Session:
                 if logits == "all" or (logits == "last" and start + self.prefill_chunk >= ids.size):
                     host = rows if logits == "all" else rows[-1:]  # "last": only the last chunk's last row
                     out.append(np.asarray(self.engine.backend.to_numpy(host), dtype=np.float32))
+            if saved is not None:  # each chunk of a long prompt took a little more scratch than the last
+                self.engine.backend.release_scratch()
             result = np.concatenate(out, axis=0)
             # a view of a longer chunk would hold all its rows (2048 x 129K floats) alive: copy that one row
             self._last_row = rows[-1] if len(rows) == 1 else self.engine.backend.xp.array(rows[-1])

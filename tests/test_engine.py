@@ -165,3 +165,14 @@ def test_context_that_does_not_fit_in_memory_is_refused_with_the_numbers(engine,
         Engine.load(engine.path, backend="numpy", ctx=engine.ctx)
     monkeypatch.setattr(NumpyBackend, "free_memory", lambda self: 2 * need)
     Engine.load(engine.path, backend="numpy", ctx=engine.ctx).close()
+
+
+def test_a_prompt_fed_in_chunks_gives_its_scratch_back(engine, monkeypatch):
+    released: list[int] = []
+    monkeypatch.setattr(engine.backend, "release_scratch", lambda: released.append(1))
+    session = engine.new_session()
+    session.prefill_chunk = 8
+    session.feed(list(range(1, 6)))  # one chunk: nothing to release between chunks
+    assert released == []
+    session.feed(list(range(1, 21)))  # three chunks
+    assert len(released) == 1 and session.tokens == list(range(1, 6)) + list(range(1, 21))

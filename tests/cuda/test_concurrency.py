@@ -1,4 +1,5 @@
-"""``CudaBackend.concurrently``: independent branches on streams of their own, eagerly and inside a recorded step."""
+"""The CUDA backend's streams and pool: ``concurrently`` (independent branches on streams of their own, eagerly and
+inside a recorded step) and ``release_scratch``."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def test_branches_take_their_own_streams_and_join_before_the_caller_goes_on(cuda
     caller = cp.cuda.get_current_stream().ptr
     a, b = cuda_backend.concurrently(slow, quick)
     out = cp.asnumpy(a + b)
-    assert streams[1] == caller and streams[0] != caller  # the others are queued first, the first one last
+    assert streams[0] == caller and streams[1] != caller  # the first branch stays on the caller's stream
     np.testing.assert_allclose(out, _expected(cp.asnumpy(big), cp.asnumpy(x)), rtol=1e-4)
     assert cuda_backend.concurrently(lambda: 7) == (7,)
 
@@ -88,11 +89,23 @@ def test_nested_branches_take_streams_no_running_branch_holds(cuda_backend):
 
     first, replay = cuda_backend.capture(step)
     assert replay is not None
-    # the nested call ran twice (the real run, then the recording): its quick branch never shared the outer branch's
-    # stream, on which its slow branch ran
-    assert streams[0] not in outer and streams[1] == outer[0] and streams[2] not in outer and streams[3] == outer[1]
+    # the nested call ran twice (the real run, then the recording): its slow branch on the outer branch's stream,
+    # its quick one on a stream of its own
+    assert streams[0] == outer[0] and streams[2] == outer[1] and streams[1] not in outer and streams[3] not in outer
     want = _expected(cp.asnumpy(big), cp.asnumpy(x)) + np.cos(cp.asnumpy(x).astype(np.float64)) * 2
     np.testing.assert_allclose(cp.asnumpy(first), want, rtol=1e-4)
     big *= -1.0
     want = _expected(cp.asnumpy(big), cp.asnumpy(x)) + np.cos(cp.asnumpy(x).astype(np.float64)) * 2
     np.testing.assert_allclose(cp.asnumpy(replay()), want, rtol=1e-4)
+
+
+def test_release_scratch_frees_the_pools_unused_blocks(cuda_backend):
+    import cupy as cp
+
+    pool = cp.get_default_memory_pool()
+    kept = cp.ones(1 << 20, dtype=cp.float32)
+    scratch = cp.empty(1 << 26, dtype=cp.float32)  # 256 MiB
+    del scratch
+    assert pool.total_bytes() - pool.used_bytes() >= 1 << 28
+    cuda_backend.release_scratch()
+    assert pool.total_bytes() - pool.used_bytes() < 1 << 28 and float(kept.sum()) == 1 << 20

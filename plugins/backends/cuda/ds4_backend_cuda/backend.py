@@ -104,11 +104,20 @@ class CudaBackend(Backend):
         free, _ = self.xp.cuda.runtime.memGetInfo()
         return free + self.xp.get_default_memory_pool().free_bytes()
 
+    def release_scratch(self) -> None:
+        """Free the blocks CuPy's pool caches but no array uses. A long prompt's chunks see a longer context each,
+        so each asks for slightly larger scratch than the last, which the cached blocks no longer fit: the pool
+        held 84 GB after a 32K prompt on 4 Flash-shaped layers (9.7 GB in use). Trimmed after every chunk it peaked
+        at 20 GB, but the prompt took 13% longer; trimmed once at the end, the memory goes back to other work, and
+        under pressure the pool frees its cache by itself before it fails an allocation."""
+        self.xp.get_default_memory_pool().free_all_blocks()
+
     def concurrently(self, *branches: Callable[[], Any]) -> tuple[Any, ...]:
         """The first branch on the current stream, each other on a stream of its own that waits for the work queued
-        so far; the current stream then waits for them all. Inside a capture the branches become parallel paths
-        of the graph: a decode step's small launches keep few multiprocessors busy, so independent ones overlap.
-        A branch may branch again.
+        before the call; the current stream then waits for them all. Inside a capture the branches become parallel
+        paths of the graph: a decode step's small launches keep few multiprocessors busy, so independent ones
+        overlap. Branches are queued in order, and the device starts ready work roughly in that order, so the
+        longest branch should come first. A branch may branch again.
 
         CuPy's pool hands a freed block only to later work of the stream that allocated it. Every branch starts
         after the work queued before the call, and a stream serves one branch until the outermost call has joined
@@ -127,13 +136,13 @@ class CudaBackend(Backend):
         results: list[Any] = [None] * len(branches)
         joins = []
         try:
+            results[0] = branches[0]()
             for i, branch in enumerate(branches[1:], start=1):
                 stream = self._branch_streams[first + i - 1]
                 stream.wait_event(fork)
                 with stream:
                     results[i] = branch()
                 joins.append(stream.record())
-            results[0] = branches[0]()
         finally:
             for join in joins:
                 current.wait_event(join)

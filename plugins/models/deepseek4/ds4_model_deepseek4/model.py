@@ -306,11 +306,11 @@ class Attention:
         def put_raw() -> None:
             ls.raw[index.slot] = self._kv_rows(ops, kv, pos)
 
-        branches = [lambda: self._queries(ops, qr, pos), put_raw]
+        branches = [lambda: self._queries(ops, qr, pos), put_raw]  # longest first
         if self.indexer is not None:
-            branches.append(lambda: self.indexer.queries(ops, qr, pos, self.inv_freq, self.index_finish))
-        q, _, *index_q = ops.concurrently(*branches)
-        return q, index_q[0] if index_q else None
+            branches.insert(1, lambda: self.indexer.queries(ops, qr, pos, self.inv_freq, self.index_finish))
+        q, *rest = ops.concurrently(*branches)
+        return q, rest[0] if self.indexer is not None else None
 
     def _step_compressed(self, ops: Ops, x: Any, pos: Any, ls: LayerState) -> tuple[Any, ...]:
         """A step of the compressors -> ``(compressed rows,)`` (HCA) or ``(compressed rows, indexer rows, head
