@@ -14,7 +14,7 @@ import numpy as np
 from ds4_core.backend import Weight
 
 from .hc_ops import hc_pre_norm
-from .modules import glue_module
+from .modules import glue_kernel
 from .ops import MAX_GRID_Y, MOE_PAIR_LIMIT, linear, linears, moe_gate_up_launch, norm_rope, swiglu, values
 
 F32 = cp.float32
@@ -75,13 +75,12 @@ def compress_step(kv_row: Any, gate_row: Any, ape: Any, pos: Any, buf_kv: Any, b
     none = np.uint64(0)
     pos = cp.ascontiguousarray(pos, dtype=cp.int32)
     pooled = cp.empty(d, dtype=F32)
-    module = glue_module()
-    module.get_function("compress_pool")((-(-d // 32),), (32, 8), (  # POOL_CHANNELS x POOL_GROUPS threads
+    glue_kernel("compress_pool")((-(-d // 32),), (32, 8), (  # POOL_CHANNELS x POOL_GROUPS threads
         cp.ascontiguousarray(kv_row, dtype=F32), cp.ascontiguousarray(gate_row, dtype=F32), ape, pos, np.int32(m),
         np.int32(d), np.int32(overlap), buf_kv, buf_gate, prev_kv if overlap else none,
         prev_gate if overlap else none, pooled))
     if rows.shape[0]:
-        module.get_function("compress_finish")((1,), (256,), (
+        glue_kernel("compress_finish")((1,), (256,), (
             pooled, pos, np.int32(m), np.int32(d), rows, np.int32(rows.shape[0]),
             cp.ascontiguousarray(values(norm), dtype=F32), F32(eps), cp.ascontiguousarray(inv_freq, dtype=F32),
             np.int32(inv_freq.shape[0])), shared_mem=4 * d)
@@ -115,7 +114,7 @@ def index_select(scores: Any, limit: Any, k: int, offset: int) -> Any:
     T, n = scores.shape
     k = min(k, n)
     out = cp.empty((T, k), dtype=cp.int32)
-    kernel = glue_module().get_function("index_select")
+    kernel = glue_kernel("index_select")
     for r0 in range(0, T if k else 0, MAX_GRID_Y):
         rows = min(MAX_GRID_Y, T - r0)
         kernel((-(-n // _SELECT_ENTRIES), rows), (_SELECT_ENTRIES, _SELECT_SLICES), (

@@ -13,7 +13,7 @@ import numpy as np
 from ds4_core.backend import Weight
 from ds4_core.errors import BackendError
 
-from .modules import glue_module, quant_kernel
+from .modules import glue_kernel, quant_kernel
 from .ops import GEMV_TOKENS, linear, rms_norm, values, weighted_rows
 
 #: Most streams ``kernels/hc.cu`` takes (a token's n × n matrix fills at most two registers per lane of a warp).
@@ -75,7 +75,7 @@ def hc_pre(S: Any, fn: Weight, scale: Weight, base: Weight, iters: int, eps: flo
     else:
         slices, mix = 0, cp.ascontiguousarray(_hc_mix(S, fn, norm_eps), dtype=F32)
         part = mix
-    glue_module().get_function("hc_split")((-(-T // 4),), (128,), (  # a warp per token
+    glue_kernel("hc_split")((-(-T // 4),), (128,), (  # a warp per token
         mix, part, np.int32(slices), np.int32(K), F32(norm_eps), cp.ascontiguousarray(values(scale), dtype=F32),
         cp.ascontiguousarray(values(base), dtype=F32), np.int32(T), np.int32(n), np.int32(iters), F32(eps), pre,
         post, comb))
@@ -94,7 +94,7 @@ def hc_pre_norm(S: Any, fn: Weight, scale: Weight, base: Weight, iters: int, eps
     slices, mix, part = _mix_slices(S, fn)
     pre, post, comb, out = (cp.empty((T, n), F32), cp.empty((T, n), F32), cp.empty((T, n, n), F32),
                             cp.empty((T, D), F32))
-    glue_module().get_function("hc_split_norm")((T, 2), (HC_NORM_THREADS,), (
+    glue_kernel("hc_split_norm")((T, 2), (HC_NORM_THREADS,), (
         mix, part, np.int32(slices), np.int32(n * D), F32(norm_eps), cp.ascontiguousarray(values(scale), dtype=F32),
         cp.ascontiguousarray(values(base), dtype=F32), np.int32(iters), F32(eps), pre, post, comb, S,
         np.int32(D), cp.ascontiguousarray(values(norm), dtype=F32), out))
@@ -109,7 +109,7 @@ def hc_post(S: Any, y: Any, post: Any, comb: Any) -> Any:
     out = cp.empty_like(S)
     if out.size:
         block = min(256, -(-D // 32) * 32)
-        glue_module().get_function("hc_expand")((-(-D // block), T), (block,), (
+        glue_kernel("hc_expand")((-(-D // block), T), (block,), (
             S, cp.ascontiguousarray(y, dtype=F32), cp.ascontiguousarray(post, dtype=F32),
             cp.ascontiguousarray(comb, dtype=F32), np.int32(n), np.int32(D), out))
     return out

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from .launch import Kernel
+
 #: Weight formats the quant kernels are instantiated for (the struct names in kernels/quant.cu).
 QUANT_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q2_K", "IQ2_XXS", "MXFP4")
 #: Kernel names of :func:`quant_kernel` -> template instantiation in quant.cu (``Q`` is the format struct).
@@ -35,6 +37,11 @@ def source(name: str) -> str:
     return resources.files(__package__).joinpath("kernels", name).read_text(encoding="utf-8")
 
 
+def program(*names: str) -> str:
+    """The sources ``names`` of one module, after ``pdl.cuh`` (``grid_wait``, which their kernels call)."""
+    return "\n".join(source(name) for name in ("pdl.cuh", *names))
+
+
 def _kernels(qtype: str) -> dict[str, str]:
     return {**QUANT_KERNELS, **INT8_KERNELS} if qtype in INT8_TYPES else QUANT_KERNELS
 
@@ -49,7 +56,7 @@ def quant_module(qtype: str) -> Any:
     import cupy
 
     names = [_expression(kernel, qtype) for kernel in _kernels(qtype)]
-    code = source("quant.cu") + (source("quant_int8.cu") if qtype in INT8_TYPES else "")
+    code = program("quant.cu", *(("quant_int8.cu",) if qtype in INT8_TYPES else ()))
     module = cupy.RawModule(code=code, options=_OPTIONS, name_expressions=names)
     if qtype == "IQ2_XXS":
         from ds4_core.quants import iq2xxs_tables
@@ -62,10 +69,11 @@ def quant_module(qtype: str) -> Any:
     return module
 
 
-def quant_kernel(kernel: str, qtype: str) -> Any:
-    """The ``cupy.RawKernel`` ``kernel`` (a key of :data:`QUANT_KERNELS`, or of :data:`INT8_KERNELS` for a format
-    of :data:`INT8_TYPES`) for weight format ``qtype``."""
-    return quant_module(qtype).get_function(_expression(kernel, qtype))
+@functools.cache
+def quant_kernel(kernel: str, qtype: str) -> Kernel:
+    """The kernel ``kernel`` (a key of :data:`QUANT_KERNELS`, or of :data:`INT8_KERNELS` for a format of
+    :data:`INT8_TYPES`) for weight format ``qtype``, launched programmatically (:mod:`.launch`)."""
+    return Kernel(quant_module(qtype).get_function(_expression(kernel, qtype)))
 
 
 #: Column-register bounds the delta-rule kernel is instantiated for (a head's key width must fit one of them).
@@ -99,10 +107,16 @@ def glue_module() -> Any:
     """The compiled :data:`GLUE_SOURCES` with the kernels :data:`GLUE_KERNELS`."""
     import cupy
 
-    module = cupy.RawModule(code="".join(source(name) for name in GLUE_SOURCES), options=_OPTIONS)
+    module = cupy.RawModule(code=program(*GLUE_SOURCES), options=_OPTIONS)
     for name in GLUE_KERNELS:
         module.get_function(name)
     return module
+
+
+@functools.cache
+def glue_kernel(name: str) -> Kernel:
+    """The glue kernel ``name`` (of :data:`GLUE_KERNELS`), launched programmatically (:mod:`.launch`)."""
+    return Kernel(glue_module().get_function(name))
 
 
 #: The sampling kernels of ``sample.cu``: a row's argmax and the candidates of the sampler chain.

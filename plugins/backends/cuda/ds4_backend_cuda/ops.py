@@ -17,7 +17,7 @@ import numpy as np
 from ds4_core.backend import Weight
 from ds4_core.errors import BackendError
 
-from .modules import INT8_TYPES, glue_module, quant_kernel
+from .modules import INT8_TYPES, glue_kernel, quant_kernel
 from .prefill import per_token_products, prefill_linear, prefill_moe
 
 F32 = cp.float32
@@ -331,7 +331,7 @@ def _norm_threads(d: int) -> int:
 def _norm_rows(x: Any, w: Weight | None, eps: float, y: Any, rope_args: tuple) -> None:
     d = x.shape[-1]
     scale = np.uint64(0) if w is None else cp.ascontiguousarray(values(w), dtype=F32)
-    glue_module().get_function("rms_norm_rows")((x.size // d,), (_norm_threads(d),), (
+    glue_kernel("rms_norm_rows")((x.size // d,), (_norm_threads(d),), (
         x, scale, _i32(d), F32(eps), y, *rope_args))
 
 
@@ -358,7 +358,7 @@ def rope(x: Any, positions: Any, inv_freq: Any, inverse: bool = False) -> Any:
         if pos.size != x.shape[0]:
             raise BackendError(f"rope needs one position per token: {pos.size} positions for {x.shape[0]} tokens")
         d = x.shape[-1]
-        glue_module().get_function("rope_rows")((-(-x.size // _THREADS),), (_THREADS,), (
+        glue_kernel("rope_rows")((-(-x.size // _THREADS),), (_THREADS,), (
             x, pos, cp.ascontiguousarray(inv_freq, dtype=F32), _i64(x.size), _i32(d), _i32(inv_freq.shape[0]),
             _i32(x.size // d // x.shape[0]), _i32(int(inverse)), y))
     return y
@@ -371,7 +371,7 @@ def weighted_rows(w: Any, rows: Any) -> Any:
     out = cp.empty((T, D), F32)
     if out.size:
         block = min(256, -(-D // 32) * 32)
-        glue_module().get_function("hc_collapse")((-(-D // block), T), (block,), (w, rows, _i32(n), _i32(D), out))
+        glue_kernel("hc_collapse")((-(-D // block), T), (block,), (w, rows, _i32(n), _i32(D), out))
     return out
 
 
@@ -402,7 +402,7 @@ def topk(scores: Any, k: int) -> Any:
     T, n = scores.shape
     k = min(k, n)
     out = cp.empty((T, k), dtype=cp.int32)
-    kernel = glue_module().get_function("topk_rank")
+    kernel = glue_kernel("topk_rank")
     for r0 in range(0, T if k else 0, MAX_GRID_Y):
         rows = min(MAX_GRID_Y, T - r0)
         kernel((-(-n // _SELECT_THREADS), rows), (_SELECT_THREADS,), (scores[r0:r0 + rows], _i32(n), _i32(k),
@@ -418,7 +418,7 @@ def _contract(kernel: str, a: Any, b: Any, J: int, n: int) -> Any:
         batch = np.int64(0 if b.ndim == 2 else b.shape[1] * b.shape[2])
         D = b.shape[-1] if kernel == "dot_rows" else n
         per_block = 4 if kernel == "dot_rows" else 128  # dot_rows: a warp per output; mix_rows: a thread
-        glue_module().get_function(kernel)((-(-n // per_block), rows, T), (128,),
+        glue_kernel(kernel)((-(-n // per_block), rows, T), (128,),
                                              (a, b, c, _i32(rows), _i32(J), _i32(D), batch))
     return c
 
@@ -464,10 +464,9 @@ def sparse_attention(q: Any, kv: Any, idx: Any, sinks: Weight | None, scale: flo
         tiles = -(-K // _ATTEND_ROWS)
         part, stats = cp.empty((T, H, tiles, d), dtype=F32), cp.empty((T, H, tiles, 2), dtype=F32)
         out = cp.empty((T, H, d), dtype=F32)
-        module = glue_module()
-        module.get_function("attend_rows")((tiles, -(-H // _ATTEND_HEADS), T), (32 * _ATTEND_HEADS,), (
+        glue_kernel("attend_rows")((tiles, -(-H // _ATTEND_HEADS), T), (32 * _ATTEND_HEADS,), (
             q, kv, idx, _i32(H), _i32(K), _i32(d), F32(scale), part, stats), shared_mem=4 * _ATTEND_HEADS * d)
-        module.get_function("attend_merge")((-(-d // 128), H, T), (128,), (
+        glue_kernel("attend_merge")((-(-d // 128), H, T), (128,), (
             part, stats, sink, _i32(H), _i32(tiles), _i32(d), out), shared_mem=4 * tiles)
         return out
     q = cp.ascontiguousarray(q, dtype=F32)
@@ -479,7 +478,7 @@ def sparse_attention(q: Any, kv: Any, idx: Any, sinks: Weight | None, scale: flo
         rows = kv[cp.maximum(idx[t0:t1], 0)]  # [t, K, d]
         p = per_token_products(q[t0:t1], rows, True, tensor_core_prefill())  # [t, H, K], softmax-ed in place
         if p.size:
-            glue_module().get_function("attend_softmax")((-(-(t1 - t0) * H // 8),), (256,), (
+            glue_kernel("attend_softmax")((-(-(t1 - t0) * H // 8),), (256,), (
                 p, idx[t0:t1], sink, _i32(H), _i32(K), _i64((t1 - t0) * H), F32(scale)))
         out[t0:t1] = per_token_products(p, rows, False, tensor_core_prefill())
     return out
@@ -492,7 +491,7 @@ def indexer_scores(q: Any, keys: Any, head_weights: Any, scale: float) -> Any:
     T, H, R = dots.shape
     out = cp.empty((T, R), dtype=F32)
     if out.size:
-        glue_module().get_function("relu_head_sum")((-(-R // _THREADS), T), (_THREADS,), (
+        glue_kernel("relu_head_sum")((-(-R // _THREADS), T), (_THREADS,), (
             dots, cp.ascontiguousarray(head_weights, dtype=F32), _i32(H), _i32(R), F32(scale), out))
     return out
 
@@ -504,7 +503,7 @@ def route_scores(logits: Any, bias: Weight | None, kind: int) -> tuple[Any, Any]
     scores, choice = cp.empty_like(logits), cp.empty_like(logits)
     if logits.size:
         b = np.uint64(0) if bias is None else cp.ascontiguousarray(values(bias), dtype=F32)
-        glue_module().get_function("route_scores")((-(-logits.size // _THREADS),), (_THREADS,), (
+        glue_kernel("route_scores")((-(-logits.size // _THREADS),), (_THREADS,), (
             logits, b, _i32(kind), _i64(logits.size), _i32(logits.shape[-1]), scores, choice))
     return scores, choice
 
@@ -514,7 +513,7 @@ def route_weights(scores: Any, idx: Any, normalize: bool, routed_scale: float) -
     T, k = idx.shape
     w = cp.empty((T, k), dtype=F32)
     if w.size:
-        glue_module().get_function("route_weights")((-(-T // 128),), (128,), (
+        glue_kernel("route_weights")((-(-T // 128),), (128,), (
             scores, cp.ascontiguousarray(idx, dtype=cp.int32), _i32(T), _i32(scores.shape[-1]), _i32(k),
             _i32(int(normalize)), F32(routed_scale), w))
     return w
@@ -529,7 +528,7 @@ def route_topk(logits: Any, bias: Weight | None, kind: int, k: int, normalize: b
         return None
     idx, w = cp.empty((T, k), dtype=cp.int32), cp.empty((T, k), dtype=F32)
     b = np.uint64(0) if bias is None else cp.ascontiguousarray(values(bias), dtype=F32)
-    glue_module().get_function("route_topk")((T,), (-(-E // 32) * 32,), (
+    glue_kernel("route_topk")((T,), (-(-E // 32) * 32,), (
         cp.ascontiguousarray(logits, dtype=F32), b, _i32(kind), _i32(E), _i32(k), _i32(int(normalize)),
         F32(routed_scale), idx, w), shared_mem=4 * (E + k))
     return idx, w

@@ -28,7 +28,7 @@ from cupy_backends.cuda.libs import cublas
 from ds4_core.backend import Weight
 from ds4_core.errors import BackendError
 
-from .modules import source
+from .modules import program
 
 F32 = cp.float32
 #: Weight format -> the 16-bit type its tiles are dequantized to (others: "f16").
@@ -75,7 +75,7 @@ def _module(qtype: str) -> Any:
     names = [f"dequant16<{qtype}, {o}>" for o in _OUT_TYPE.values()]
     names += [f"moe_mma16<{qtype}, {o}, {nw}>" for o in _OUT_TYPE.values() for nw in (1, 2)]
     names += [f"{k}<{o}>" for k in ("to16", "swiglu16", "rows_to16") for o in _OUT_TYPE.values()]
-    module = cp.RawModule(code=source("quant.cu") + "\n" + source("prefill.cu"), options=("--std=c++17",),
+    module = cp.RawModule(code=program("quant.cu", "prefill.cu"), options=("--std=c++17",),
                           name_expressions=names)
     if qtype == "IQ2_XXS":
         from ds4_core.quants import iq2xxs_tables

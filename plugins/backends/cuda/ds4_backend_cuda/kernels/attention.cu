@@ -49,6 +49,7 @@ __device__ __forceinline__ float dot4(float4 a, float4 b, float s) {
 extern "C" __global__ void __launch_bounds__(32 * ATTEND_HEADS) attend_rows(
         const float* __restrict__ q, const float* __restrict__ kv, const int* __restrict__ idx, int H, int K, int d,
         float scale, float* __restrict__ part, float2* __restrict__ stats) {
+    grid_wait();
     extern __shared__ float4 q_heads[];  // [ATTEND_HEADS][d / 4]
     __shared__ __align__(16) float p[ATTEND_ROWS][ATTEND_HEADS];
     __shared__ int rows[ATTEND_ROWS];
@@ -148,6 +149,7 @@ __device__ __forceinline__ float block_reduce(float v, float* scratch, Combine c
 extern "C" __global__ void attend_merge(const float* __restrict__ part, const float2* __restrict__ stats,
                                         const float* __restrict__ sinks, int H, int tiles, int d,
                                         float* __restrict__ out) {
+    grid_wait();
     extern __shared__ float weight[];
     __shared__ float scratch[32];
     const int c = blockIdx.x * blockDim.x + threadIdx.x, h = blockIdx.y;
@@ -195,6 +197,7 @@ __device__ __forceinline__ void warp_softmax_stats(const float* __restrict__ l, 
 extern "C" __global__ void attend_softmax(float* __restrict__ dots, const int* __restrict__ idx,
                                           const float* __restrict__ sinks, int H, int K, long long rows,
                                           float scale) {
+    grid_wait();
     const long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (r >= rows) return;  // whole warps leave together
     const int lane = threadIdx.x & 31, h = (int)(r % H);

@@ -18,6 +18,7 @@ extern "C" __global__ void __launch_bounds__(POOL_CHANNELS * POOL_GROUPS) compre
         const int* __restrict__ pos, int m, int d, int overlap, float* __restrict__ buf_kv,
         float* __restrict__ buf_gate, float* __restrict__ prev_kv, float* __restrict__ prev_gate,
         float* __restrict__ pooled) {
+    grid_wait();
     __shared__ float part[3][POOL_GROUPS][POOL_CHANNELS];  // each group's (peak, sum, weighted sum)
     const float neg_inf = __int_as_float(0xff800000);
     const int c = blockIdx.x * POOL_CHANNELS + threadIdx.x, y = threadIdx.y;
@@ -88,6 +89,7 @@ extern "C" __global__ void compress_finish(const float* __restrict__ pooled, con
                                            int d, float* __restrict__ rows, int n_rows,
                                            const float* __restrict__ norm, float eps,
                                            const float* __restrict__ inv_freq, int half) {
+    grid_wait();
     extern __shared__ float y[];
     __shared__ float partial[32];
     const int p = pos[0], window = min(p / m, n_rows - 1);

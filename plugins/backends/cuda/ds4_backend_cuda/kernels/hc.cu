@@ -162,6 +162,7 @@ extern "C" __global__ void hc_split(float* __restrict__ mix, const float* __rest
                                     float norm_eps, const float* __restrict__ scale, const float* __restrict__ base,
                                     int T, int n, int iters, float eps, float* __restrict__ pre,
                                     float* __restrict__ post, float* __restrict__ comb) {
+    grid_wait();
     const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (t >= T) return;  // whole warps leave together
     const int M = (2 + n) * n;
@@ -186,6 +187,7 @@ extern "C" __global__ void __launch_bounds__(HC_NORM_THREADS) hc_split_norm(
         const float* __restrict__ scale, const float* __restrict__ base, int iters, float eps, float* __restrict__ pre,
         float* __restrict__ post, float* __restrict__ comb, const float* __restrict__ S, int D,
         const float* __restrict__ w, float* __restrict__ out) {
+    grid_wait();
     constexpr int N = HC_NORM_STREAMS, M = (2 + N) * N;
     __shared__ float weight[N], partial[32], row[M];
     const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -253,6 +255,7 @@ extern "C" __global__ void __launch_bounds__(HC_NORM_THREADS) hc_split_norm(
 // one thread per (t, d), grid (ceil(D / blockDim.x), T).
 extern "C" __global__ void hc_collapse(const float* __restrict__ w, const float* __restrict__ S, int n, int D,
                                        float* __restrict__ out) {
+    grid_wait();
     const int d = blockIdx.x * blockDim.x + threadIdx.x;
     if (d >= D) return;
     const size_t t = blockIdx.y;
@@ -267,6 +270,7 @@ extern "C" __global__ void hc_collapse(const float* __restrict__ w, const float*
 extern "C" __global__ void hc_expand(const float* __restrict__ S, const float* __restrict__ y,
                                      const float* __restrict__ post, const float* __restrict__ comb, int n, int D,
                                      float* __restrict__ out) {
+    grid_wait();
     const int d = blockIdx.x * blockDim.x + threadIdx.x;
     if (d >= D) return;
     const size_t t = blockIdx.y;

@@ -11,6 +11,7 @@
 extern "C" __global__ void rms_norm_rows(const float* __restrict__ x, const float* __restrict__ w, int d, float eps,
                                          float* __restrict__ y, const int* __restrict__ pos,
                                          const float* __restrict__ inv_freq, int half, int rows_per_token) {
+    grid_wait();
     __shared__ float partial[32];
     const float* xr = x + (size_t)blockIdx.x * d;
     float v[HELD], g[HELD];
@@ -61,6 +62,7 @@ extern "C" __global__ void rms_norm_rows(const float* __restrict__ x, const floa
 extern "C" __global__ void rope_rows(const float* __restrict__ x, const int* __restrict__ pos,
                                      const float* __restrict__ inv_freq, long long n, int d, int half,
                                      int rows_per_token, int inverse, float* __restrict__ y) {
+    grid_wait();
     const long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= n) return;
     const int c = (int)(e % d);

@@ -450,6 +450,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv(
         const u8* __restrict__ w, long long row_bytes, int nrows, int ncols, const float* __restrict__ x,
         long long x_stride, int group_rows, int ntok, float* __restrict__ y, int KS,
         const long long* __restrict__ segs, int nsegs) {
+    grid_wait();
     using D = WarpDot<Q, GEMV_ROWS, NT>;
     __shared__ uint4 stage[GEMV_WARPS][D::SLOTS];
     __shared__ float partial[GEMV_WARPS][GEMV_ROWS * NT];
@@ -488,6 +489,7 @@ template <class Q>
 __global__ void __launch_bounds__(32 * GEMV_WARPS) moe_gemv(
         const u8* __restrict__ w, long long expert_bytes, long long row_bytes, int nrows, int ncols,
         const int* __restrict__ idx, const float* __restrict__ x, int x_div, float* __restrict__ y) {
+    grid_wait();
     using D = WarpDot<Q, GEMV_ROWS, 1>;
     __shared__ uint4 stage[GEMV_WARPS][D::SLOTS];
     int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
@@ -518,6 +520,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS / 2) moe_gate_up(
         const u8* __restrict__ wg, const u8* __restrict__ wu, long long expert_bytes, long long row_bytes,
         int nrows, int ncols, const int* __restrict__ idx, const float* __restrict__ x, int x_div, float limit,
         float* __restrict__ h) {
+    grid_wait();
     constexpr int WARPS = GEMV_WARPS / 2;
     using D = WarpDot<Q, 2 * GEMV_ROWS, 1>;
     __shared__ uint4 stage[WARPS][D::SLOTS];
@@ -554,6 +557,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS / 2) moe_gate_up(
 template <class Q>
 __global__ void __launch_bounds__(256) mix_slices(const u8* __restrict__ fn, long long row_bytes, int M, int K,
                                                   const float* __restrict__ x, float* __restrict__ part) {
+    grid_wait();
     constexpr int WARPS = 8, AHEAD = 4;  // rows a warp loads before it sums them
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, c = 256 * blockIdx.x + 8 * lane;
     const float4* xv = reinterpret_cast<const float4*>(x + (long long)blockIdx.y * K + c);
@@ -585,6 +589,7 @@ __global__ void __launch_bounds__(256) mix_slices(const u8* __restrict__ fn, lon
 template <class Q>
 __global__ void dequant_rows(const u8* __restrict__ w, long long row_bytes, int ncols, const int* __restrict__ rows,
                              int nrows, float* __restrict__ out) {
+    grid_wait();
     long long units = ncols / 8;
     long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (id >= units * nrows) return;

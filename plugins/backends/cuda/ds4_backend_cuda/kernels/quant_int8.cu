@@ -230,6 +230,7 @@ __device__ __forceinline__ void warp_dot_i8(Rows rows, int ngroups, int ncols, P
 // The int8 activation of a block: `groups` activations of ncols columns from x, after __syncthreads.
 __device__ __forceinline__ I8Act block_activation(const float* __restrict__ x, int ncols, int groups) {
     extern __shared__ __align__(16) u8 act_smem[];
+    grid_wait();  // gemv_i8's first weight loads are in flight (pdl.cuh); x is the previous kernel's output
     const I8Act act = quantize_shared(x, groups * ncols, act_smem);
     __syncthreads();
     return act;
@@ -295,6 +296,7 @@ template <class Q>
 __global__ void __launch_bounds__(32 * GEMV_WARPS) moe_gemv_i8(
         const u8* __restrict__ w, long long expert_bytes, long long row_bytes, int nrows, int ncols,
         const int* __restrict__ idx, const float* __restrict__ x, int x_div, float* __restrict__ y) {
+    grid_wait();
     using D = WarpDot<I8<Q>, GEMV_ROWS, 1>;
     __shared__ uint4 stage[GEMV_WARPS][D::SLOTS];
     __shared__ __align__(16) u8 table[I8Table<Q>::BYTES];
@@ -330,6 +332,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS / 2) moe_gate_up_i8(
         const u8* __restrict__ wg, const u8* __restrict__ wu, long long expert_bytes, long long row_bytes,
         int nrows, int ncols, const int* __restrict__ idx, const float* __restrict__ x, int x_div, float limit,
         float* __restrict__ h) {
+    grid_wait();
     constexpr int WARPS = GEMV_WARPS / 2;
     using D = WarpDot<I8<Q>, 2 * GEMV_ROWS, 1>;
     __shared__ uint4 stage[WARPS][D::SLOTS];

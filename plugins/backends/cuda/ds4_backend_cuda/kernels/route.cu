@@ -9,6 +9,7 @@ __device__ __forceinline__ float route_score(float l, int kind) {
 // choice[i] = scores[i] + bias[i % E] (bias may be null); one thread per element of logits [T, E].
 extern "C" __global__ void route_scores(const float* __restrict__ logits, const float* __restrict__ bias, int kind,
                                         long long n, int E, float* __restrict__ scores, float* __restrict__ choice) {
+    grid_wait();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const float s = route_score(logits[i], kind);
@@ -19,6 +20,7 @@ extern "C" __global__ void route_scores(const float* __restrict__ logits, const 
 // w[t, j] = scores[t, idx[t, j]], divided by (their sum + 1e-20) when normalize, times scale; one thread per token.
 extern "C" __global__ void route_weights(const float* __restrict__ scores, const int* __restrict__ idx, int T, int E,
                                          int k, int normalize, float scale, float* __restrict__ w) {
+    grid_wait();
     const int t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= T) return;
     float sum = 0.f;
@@ -36,6 +38,7 @@ extern "C" __global__ void route_weights(const float* __restrict__ scores, const
 extern "C" __global__ void route_topk(const float* __restrict__ logits, const float* __restrict__ bias, int kind,
                                       int E, int k, int normalize, float scale, int* __restrict__ idx,
                                       float* __restrict__ w) {
+    grid_wait();
     extern __shared__ float choice[];  // [E], then the chosen scores [k]
     float* chosen = choice + E;
     const int t = blockIdx.x, i = threadIdx.x;

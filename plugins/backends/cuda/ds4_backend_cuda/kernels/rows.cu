@@ -5,6 +5,7 @@
 // grid (ceil(J / warps per block), I, T); b_batch = 0 shares b.
 extern "C" __global__ void dot_rows(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c,
                                     int I, int J, int D, long long b_batch) {
+    grid_wait();
     const int lane = threadIdx.x & 31;
     const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (j >= J) return;  // whole warps leave together: j is the same for every lane of a warp
@@ -21,6 +22,7 @@ extern "C" __global__ void dot_rows(const float* __restrict__ a, const float* __
 // grid (ceil(D / blockDim.x), I, T); b_batch = 0 shares b.
 extern "C" __global__ void mix_rows(const float* __restrict__ p, const float* __restrict__ b, float* __restrict__ c,
                                     int I, int J, int D, long long b_batch) {
+    grid_wait();
     const int d = blockIdx.x * blockDim.x + threadIdx.x;
     if (d >= D) return;
     const long long ti = (long long)blockIdx.z * I + blockIdx.y;
@@ -36,6 +38,7 @@ extern "C" __global__ void mix_rows(const float* __restrict__ p, const float* __
 // grid (ceil(J / blockDim.x), T).
 extern "C" __global__ void relu_head_sum(const float* __restrict__ dots, const float* __restrict__ w, int H, int J,
                                          float scale, float* __restrict__ s) {
+    grid_wait();
     const int j = blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= J) return;
     const long long t = blockIdx.y;

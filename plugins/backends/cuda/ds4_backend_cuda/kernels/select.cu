@@ -11,6 +11,7 @@
 __device__ __forceinline__ float rank_key(float v) { return v != v ? NEG_INF : v; }
 
 extern "C" __global__ void topk_rank(const float* __restrict__ scores, int n, int k, int* __restrict__ out) {
+    grid_wait();
     extern __shared__ float tile[];
     const float* row = scores + (size_t)blockIdx.y * n;
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -48,6 +49,7 @@ extern "C" __global__ void topk_rank(const float* __restrict__ scores, int n, in
 extern "C" __global__ void __launch_bounds__(SELECT_ENTRIES * SELECT_SLICES) index_select(
         const float* __restrict__ scores, const int* __restrict__ limit, int n, int k, int offset,
         int* __restrict__ out) {
+    grid_wait();
     __shared__ float4 tile[SELECT_TILE / 4];
     __shared__ int partial[SELECT_SLICES][SELECT_ENTRIES];
     const float nan = __int_as_float(0x7fffffff);  // compares false: padding past the complete entries counts nothing

@@ -1,0 +1,11 @@
+// Programmatic dependent launch (compute capability 9.0 and later). A kernel the backend launches with it
+// (launch.py) may start while the kernel before it in the stream still runs; grid_wait() returns once that kernel
+// has finished and its writes are visible. Such a kernel calls grid_wait() before it reads anything an earlier
+// kernel writes and before it writes anything: only loads of constant data (weights, tables) may come first, and
+// they then overlap the predecessor's tail. Without the launch attribute, and before sm_90, it does nothing.
+__device__ __forceinline__ void grid_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+

@@ -1,0 +1,97 @@
+"""Programmatic dependent launches (``ds4_backend_cuda.launch``): the driver structures and argument bytes (no GPU
+needed), every kernel launched that way waiting for its predecessor, and the same results on the GPU either way."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+
+import numpy as np
+import pytest
+from ds4_backend_cuda import launch
+from ds4_backend_cuda.modules import GLUE_SOURCES, source
+
+#: Kernels that load weights before they wait, and where they wait.
+_WAIT_LATER = {"gemv_i8": "block_activation("}
+
+
+def test_driver_structures_have_cuda_h_layout():
+    # CUlaunchAttribute: 4-byte id, padding to 8, a 64-byte union; CUlaunchConfig: seven uints, then pointers
+    assert ctypes.sizeof(launch._Attribute) == 72 and launch._Attribute.value.offset == 8
+    assert launch._Config.stream.offset == 32 and launch._Config.attrs.offset == 40
+    assert launch._Config.num_attrs.offset == 48 and ctypes.sizeof(launch._Config) == 56
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    (np.int32(-3), np.int32(-3).tobytes()), (np.float32(0.5), np.float32(0.5).tobytes()),
+    (np.uint64(7), np.uint64(7).tobytes()), (5, np.int64(5).tobytes()), (2.5, np.float64(2.5).tobytes()),
+    (True, b"\x01"), (None, bytes(8))])
+def test_arguments_are_the_bytes_cupy_would_pass(value, expected):
+    assert bytes(launch._argument(value)) == expected
+
+
+def test_an_unknown_argument_type_is_refused():
+    with pytest.raises(TypeError, match="CuPy array or a number"):
+        launch._argument("x")
+
+
+def _kernels(text: str) -> dict[str, str]:
+    """Kernel name -> its body up to the next kernel, for each ``__global__`` function of ``text``."""
+    starts = [m.start() for m in re.finditer(r"__global__", text)]
+    bodies = {}
+    for start, end in zip(starts, [*starts[1:], len(text)], strict=True):
+        chunk = text[start:end]
+        signature, body = chunk.split("{", 1)
+        name = re.findall(r"(\w+)\s*\(", re.sub(r"__launch_bounds__\([^)]*\)", "", signature))[0]
+        bodies[name] = body
+    return bodies
+
+
+def test_every_programmatically_launched_kernel_waits_before_its_work():
+    quant = _kernels(source("quant.cu") + source("quant_int8.cu"))
+    glue = _kernels("".join(source(name) for name in GLUE_SOURCES))
+    assert {"gemv", "gemv_i8", "moe_gate_up_i8", "hc_split_norm", "attend_rows", "route_topk"} <= {*quant, *glue}
+    for name, body in {**quant, **glue}.items():
+        first = body.strip().split(";", 1)[0]
+        if name in _WAIT_LATER:
+            assert _WAIT_LATER[name] in body, name
+        else:
+            assert first == "grid_wait()", f"{name} starts with {first!r}, not grid_wait()"
+    assert "grid_wait();" in source("quant_int8.cu").split("block_activation(", 1)[1].split("}", 1)[0]
+
+
+@pytest.mark.gpu
+def test_programmatic_launches_give_the_plain_launches_results_in_a_recorded_step(cuda_backend, monkeypatch):
+    """A chain of dependent kernels (each reads the last one's output) recorded as a graph with programmatic edges
+    and replayed on new inputs gives, bit for bit, what plain launches give."""
+    import cupy as cp
+    from ds4_backend_cuda import ops
+
+    from ds4_core.backend import Weight
+    from ds4_core.quants import random_blocks
+
+    if not launch.programmatic():
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    rng = np.random.default_rng(5)
+    w = cuda_backend.upload("w", "Q8_0", (512, 512), random_blocks("Q8_0", 512 * 512 // 32, rng).reshape(-1))
+    norm = Weight("n", "F32", (512,), cp.asarray(rng.standard_normal(512, dtype=np.float32)))
+    x = cp.asarray(rng.standard_normal((1, 512), dtype=np.float32))
+
+    def chain():
+        y = x
+        for _ in range(8):
+            y = ops.rms_norm(ops.linear(y, w), norm, 1e-6)
+        return y
+
+    firsts = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv(launch.PDL_ENV, flag)
+        first, replay = cuda_backend.capture(chain)
+        assert replay is not None
+        firsts.append(cp.asnumpy(first))
+        x[...] = cp.asarray(rng.standard_normal((1, 512), dtype=np.float32))  # the replay reads the new input
+        got = cp.asnumpy(replay())
+        monkeypatch.setenv(launch.PDL_ENV, "0")
+        np.testing.assert_array_equal(got, cp.asnumpy(chain()), err_msg=f"{launch.PDL_ENV}={flag}")
+    np.testing.assert_array_equal(firsts[0], firsts[1])
+    assert np.isfinite(firsts[0]).all()
