@@ -107,7 +107,7 @@ _RADIX_THREADS = 1024  # the block of index_select_radix (RADIX_THREADS), also t
 # A one-row call (a decode step) of up to this many rows takes the rank-counting kernel: its O(R^2) count is spread
 # over ceil(R / 32) blocks on as many multiprocessors, while the radix kernel's single block runs its passes one
 # after another (several barriers each), so below a few thousand rows the two are close; past it the radix kernel's
-# O(R) wins (.carry/s10_select.py times both). Several rows (prefill) always take the radix kernel when k allows:
+# O(R) wins (a guess until both are timed on a GPU). Several rows (prefill) always take the radix kernel when k allows:
 # O(T R^2) there is the far larger cost.
 _RANK_COUNT_MAX_ROWS = 2048
 

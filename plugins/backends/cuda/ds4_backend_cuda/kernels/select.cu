@@ -184,9 +184,16 @@ extern "C" __global__ void __launch_bounds__(RADIX_THREADS) index_select_radix(
         const int shift = pass < 2 ? 32 - RADIX_BITS * (pass + 1) : 0;  // bits 21-31, 10-20, 0-10 (10 known by then)
         for (int b = tid; b < RADIX_BINS; b += RADIX_THREADS) hist[b] = 0;
         __syncthreads();
-        for (int i = tid; i < complete; i += RADIX_THREADS) {
-            const unsigned int key = select_key(row[i]);
-            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & (RADIX_BINS - 1)], 1);
+        for (int base = 0; base < complete; base += RADIX_THREADS) {  // whole warps: the vote needs every lane
+            const int i = base + tid;
+            const unsigned int key = i < complete ? select_key(row[i]) : 0;
+            const unsigned int bin = (key >> shift) & (RADIX_BINS - 1);
+            const bool counted = i < complete && (key & mask) == prefix;
+            const unsigned int voters = __ballot_sync(0xffffffffu, counted);
+            if (counted) {  // one atomic per distinct bin of a warp: the first pass's bins are few for similar scores
+                const unsigned int peers = __match_any_sync(voters, bin);
+                if (lane == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+            }
         }
         __syncthreads();
         const int hi = RADIX_BINS - 1 - 2 * tid;  // thread order runs from the top bin down
