@@ -251,7 +251,7 @@ def test_fused_compressor_step_matches_its_composition(cuda_backend, tiny_gguf):
 
 
 def test_fused_index_select_chooses_the_references_rows(cuda_backend):
-    """``index_select`` (one rank-counting launch) gives exactly the numpy reference's rows and order: ties, -inf,
+    """``index_select`` (one launch) gives exactly the numpy reference's rows and order: ties, -inf,
     R below and above k, limits from 0 to R, rows split over several blocks, and a decode step's row of 16K
     compressed rows (64K tokens at ratio 4) with Flash's k = 512."""
     from ds4_backend_cuda import deepseek4_ops as cu
@@ -270,6 +270,48 @@ def test_fused_index_select_chooses_the_references_rows(cuda_backend):
             got = cu.index_select(cuda_backend.asarray(scores), cuda_backend.asarray(limit), k, offset)
             np.testing.assert_array_equal(cuda_backend.to_numpy(got), index_select(scores, limit, k, offset),
                                           err_msg=f"T={T} R={R} k={k} offset={offset}")
+
+
+@pytest.mark.parametrize("kernel", ["index_select", "index_select_radix"])
+def test_each_index_select_kernel_chooses_the_references_rows(cuda_backend, monkeypatch, kernel):
+    """Each kernel behind ``index_select`` (the rank count and the radix select, pinned in turn) gives exactly the
+    numpy reference's rows and order: R a power of two or not (3000), up to 16384 with k = 512 and the radix
+    kernel's largest k (1024); scores from a few values (exact ties across the k-th place, -0 beside +0, -inf), all
+    equal, or distinct; per-row limits of R, fewer than k and no complete row; offsets 0 and 128."""
+    from ds4_backend_cuda import deepseek4_ops as cu
+    from ds4_model_deepseek4.ops import index_select
+
+    monkeypatch.setattr(cu, "_select_kernel", lambda T, n, k: kernel)
+    rng = np.random.default_rng(10)
+    few = np.array([-1.5, -0.0, 0.0, 2.0, 7.25, -np.inf], np.float32)
+    for T, R, k in ((5, 7, 16), (4, 300, 64), (2, 600, 600), (3, 3000, 512), (2, 2048, 1024), (3, 16384, 512)):
+        limit = np.array([R, min(R, k - 3), 0, *rng.integers(0, R + 1, max(T - 3, 0))][:T], np.int32)
+        for kind, scores in (("few", rng.choice(few, (T, R))), ("equal", np.zeros((T, R), np.float32)),
+                             ("distinct", rng.standard_normal((T, R), dtype=np.float32))):
+            for offset in (0, 128):
+                got = cu.index_select(cuda_backend.asarray(scores), cuda_backend.asarray(limit), k, offset)
+                np.testing.assert_array_equal(cuda_backend.to_numpy(got), index_select(scores, limit, k, offset),
+                                              err_msg=f"{kernel} T={T} R={R} k={k} {kind} offset={offset}")
+
+
+def test_radix_index_select_replays_in_a_cuda_graph(cuda_backend):
+    """A decode step's ``index_select`` (one row of 16K compressed rows, k = 512: the radix kernel) recorded in a
+    CUDA graph chooses the reference's rows of the scores and limit held at each replay."""
+    from ds4_backend_cuda import deepseek4_ops as cu
+    from ds4_model_deepseek4.ops import index_select
+
+    assert cu._select_kernel(1, 16384, 512) == "index_select_radix"
+    rng = np.random.default_rng(11)
+    scores = cuda_backend.asarray(rng.standard_normal((1, 16384), dtype=np.float32))
+    limit = cuda_backend.asarray(np.array([16384], np.int32))
+    _, replay = cuda_backend.capture(lambda: cu.index_select(scores, limit, 512, 128))
+    assert replay is not None
+    for lim in (16384, 9000, 300):
+        fresh = rng.integers(-8, 8, (1, 16384)).astype(np.float32)  # ties, unlike the recorded run's scores
+        scores[...] = cuda_backend.asarray(fresh)
+        limit[...] = lim
+        np.testing.assert_array_equal(cuda_backend.to_numpy(replay()),
+                                      index_select(fresh, np.array([lim], np.int32), 512, 128), err_msg=f"limit={lim}")
 
 
 @pytest.mark.parametrize("int8", ["0", "1"])

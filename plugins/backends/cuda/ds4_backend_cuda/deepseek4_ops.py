@@ -102,24 +102,39 @@ def shared_expert(x: Any, gate: Weight, up: Weight, down: Weight, limit: float) 
 
 
 _SELECT_ENTRIES, _SELECT_SLICES = 32, 8  # the block of index_select (SELECT_* in kernels/select.cu)
+_RADIX_THREADS = 1024  # the block of index_select_radix (RADIX_THREADS), also the most entries it can choose
+# A one-row call (a decode step) of up to this many rows takes the rank-counting kernel: its O(R^2) count is spread
+# over ceil(R / 32) blocks on as many multiprocessors, while the radix kernel's single block runs its passes one
+# after another (several barriers each), so below a few thousand rows the two are close; past it the radix kernel's
+# O(R) wins (a guess until both are timed on a GPU). Several rows (prefill) always take the radix kernel when k allows:
+# O(T R^2) there is the far larger cost.
+_RANK_COUNT_MAX_ROWS = 2048
+
+
+def _select_kernel(T: int, n: int, k: int) -> str:
+    """The kernel of :func:`index_select` for ``scores [T, n]`` and ``k <= n``."""
+    return "index_select_radix" if k <= _RADIX_THREADS and (T > 1 or n > _RANK_COUNT_MAX_ROWS) else "index_select"
 
 
 def index_select(scores: Any, limit: Any, k: int, offset: int) -> Any:
     """The indexer's top-``k`` complete rows (``w < limit[t]``) of ``scores [T, R]`` plus ``offset``, ranked as
     ``topk`` ranks them, ``-1`` where fewer are complete -> int32 ``[T, min(k, R)]``; ``ds4_model_deepseek4``'s
-    ``compose_index_select`` in one launch (``kernels/select.cu``), without host synchronisation. ``limit [T]`` is a
-    device int array."""
+    ``compose_index_select`` in one launch (``kernels/select.cu``: a radix select, O(R) per row, or for a short single
+    row or ``k`` over 1024 the rank count, O(limit^2)), without host synchronisation. ``limit [T]`` is a device int
+    array."""
     scores = cp.ascontiguousarray(scores, dtype=F32)
     limit = cp.ascontiguousarray(limit, dtype=cp.int32)
     T, n = scores.shape
     k = min(k, n)
     out = cp.empty((T, k), dtype=cp.int32)
-    kernel = glue_kernel("index_select")
+    name = _select_kernel(T, n, k)
+    kernel = glue_kernel(name)
+    grid_x, block = ((1, (_RADIX_THREADS,)) if name == "index_select_radix"
+                     else (-(-n // _SELECT_ENTRIES), (_SELECT_ENTRIES, _SELECT_SLICES)))
     for r0 in range(0, T if k else 0, MAX_GRID_Y):
         rows = min(MAX_GRID_Y, T - r0)
-        kernel((-(-n // _SELECT_ENTRIES), rows), (_SELECT_ENTRIES, _SELECT_SLICES), (
-            scores[r0:r0 + rows], limit[r0:r0 + rows], np.int32(n), np.int32(k), np.int32(offset),
-            out[r0:r0 + rows]))
+        kernel((grid_x, rows), block, (scores[r0:r0 + rows], limit[r0:r0 + rows], np.int32(n), np.int32(k),
+                                       np.int32(offset), out[r0:r0 + rows]))
     return out
 
 

@@ -107,3 +107,158 @@ extern "C" __global__ void __launch_bounds__(SELECT_ENTRIES * SELECT_SLICES) ind
         if (i < complete && rank < k) dst[rank] = i + offset;
     }
 }
+
+// index_select's choice in O(n) per row, for long rows (a decode step at a long context ranks ~16K compressed rows,
+// where index_select's O(limit^2) count takes tens of microseconds): one block per row.
+//  1. Scores become uint32 keys in the same order (NaN as -inf, -0 as +0, so equal floats give equal keys).
+//  2. A radix select, RADIX_BITS of the key per pass from the top, counts the complete entries whose key matches the
+//     prefix found so far into a shared histogram and keeps the digit where the take-th best falls, until the entries
+//     matching the prefix are exactly the ones still wanted (random scores: after two passes; ties: all three).
+//  3. The chosen entries (above the prefix, plus the lowest-index ones equal to it: a block scan in index order, only
+//     when the boundary splits a tie) are gathered into shared memory as (key, ~index) pairs, which are unique and in
+//     the descending order of a stable sort, and a bitonic sort (shuffles within a warp, shared memory across warps)
+//     puts them in rank order.
+//
+// grid (1, rows), block RADIX_THREADS; out [rows, k], k <= RADIX_THREADS (one chosen entry per thread in the sort).
+#define RADIX_THREADS 1024
+#define RADIX_BITS 11
+#define RADIX_BINS (1 << RADIX_BITS)  // two per thread in the scan that finds the digit
+
+__device__ __forceinline__ unsigned int select_key(float v) {
+    unsigned int b = __float_as_uint(rank_key(v));
+    if (b == 0x80000000u) b = 0;  // -0 == +0 as floats: one key
+    return (b & 0x80000000u) ? ~b : b | 0x80000000u;  // negatives reversed below the positives
+}
+
+// Exclusive prefix sum of v over the block's threads in order; total gets the sum of all. Ends on a barrier, so
+// warp_sums can be reused at once.
+__device__ __forceinline__ int block_exclusive_sum(int v, int* warp_sums, int& total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int inc = v;
+    for (int d = 1; d < 32; d <<= 1) {
+        const int u = __shfl_up_sync(0xffffffffu, inc, d);
+        if (lane >= d) inc += u;
+    }
+    if (lane == 31) warp_sums[warp] = inc;
+    __syncthreads();
+    if (warp == 0) {
+        int s = warp_sums[lane];
+        for (int d = 1; d < 32; d <<= 1) {
+            const int u = __shfl_up_sync(0xffffffffu, s, d);
+            if (lane >= d) s += u;
+        }
+        warp_sums[lane] = s;
+    }
+    __syncthreads();
+    const int before = warp ? warp_sums[warp - 1] : 0;
+    total = warp_sums[31];
+    __syncthreads();
+    return before + inc - v;
+}
+
+__device__ __forceinline__ unsigned long long shfl_xor_u64(unsigned long long v, int mask) {
+    const unsigned int lo = __shfl_xor_sync(0xffffffffu, (unsigned int)v, mask);
+    const unsigned int hi = __shfl_xor_sync(0xffffffffu, (unsigned int)(v >> 32), mask);
+    return ((unsigned long long)hi << 32) | lo;
+}
+
+extern "C" __global__ void __launch_bounds__(RADIX_THREADS) index_select_radix(
+        const float* __restrict__ scores, const int* __restrict__ limit, int n, int k, int offset,
+        int* __restrict__ out) {
+    grid_wait();
+    static_assert(RADIX_BINS == 2 * RADIX_THREADS, "the digit scan gives each thread two bins");
+    static_assert(RADIX_THREADS == 32 * 32, "block_exclusive_sum scans one warp's worth of warp sums");
+    __shared__ int hist[RADIX_BINS];
+    __shared__ unsigned long long chosen[RADIX_THREADS];
+    __shared__ int warp_sums[32];
+    __shared__ int found_digit, found_above, found_count, gathered;
+    const int tid = threadIdx.x, lane = tid & 31;
+    const float* row = scores + (size_t)blockIdx.y * n;
+    int* dst = out + (size_t)blockIdx.y * k;
+    const int complete = min(max(limit[blockIdx.y], 0), n);
+    const int take = min(k, complete);
+    for (int r = take + tid; r < k; r += RADIX_THREADS) dst[r] = -1;
+    if (take == 0) return;  // the whole block: no barrier below is left half-reached
+
+    // 2. Entries whose key & mask == prefix are `matching`; `remaining` of them are still to be taken.
+    unsigned int prefix = 0, mask = 0;
+    int remaining = take, matching = complete;
+    for (int pass = 0; pass < 3 && matching > remaining; ++pass) {
+        const int shift = pass < 2 ? 32 - RADIX_BITS * (pass + 1) : 0;  // bits 21-31, 10-20, 0-10 (10 known by then)
+        for (int b = tid; b < RADIX_BINS; b += RADIX_THREADS) hist[b] = 0;
+        __syncthreads();
+        for (int base = 0; base < complete; base += RADIX_THREADS) {  // whole warps: the vote needs every lane
+            const int i = base + tid;
+            const unsigned int key = i < complete ? select_key(row[i]) : 0;
+            const unsigned int bin = (key >> shift) & (RADIX_BINS - 1);
+            const bool counted = i < complete && (key & mask) == prefix;
+            const unsigned int voters = __ballot_sync(0xffffffffu, counted);
+            if (counted) {  // one atomic per distinct bin of a warp: the first pass's bins are few for similar scores
+                const unsigned int peers = __match_any_sync(voters, bin);
+                if (lane == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+            }
+        }
+        __syncthreads();
+        const int hi = RADIX_BINS - 1 - 2 * tid;  // thread order runs from the top bin down
+        const int count_hi = hist[hi], count_lo = hist[hi - 1];
+        int total;
+        const int above = block_exclusive_sum(count_hi + count_lo, warp_sums, total);
+        if (above < remaining && remaining <= above + count_hi) {
+            found_digit = hi, found_above = above, found_count = count_hi;
+        } else if (above + count_hi < remaining && remaining <= above + count_hi + count_lo) {
+            found_digit = hi - 1, found_above = above + count_hi, found_count = count_lo;
+        }
+        __syncthreads();
+        prefix |= (unsigned int)found_digit << shift;
+        mask |= (unsigned int)(RADIX_BINS - 1) << shift;
+        remaining -= found_above;
+        matching = found_count;
+    }
+
+    // 3. Gather the take chosen entries (slots in any order: the sort orders them).
+    if (tid == 0) gathered = 0;
+    const bool split_tie = matching > remaining;  // the same in every thread
+    int equal_before = 0;                         // entries equal to the prefix in earlier rounds
+    __syncthreads();
+    for (int base = 0; base < complete; base += RADIX_THREADS) {
+        const int i = base + tid;
+        const unsigned int key = i < complete ? select_key(row[i]) : 0;
+        const unsigned int top = key & mask;
+        bool take_it = i < complete && top >= prefix;
+        if (split_tie) {  // of the entries equal to the prefix only the remaining lowest-index ones
+            int round_equal;
+            const bool equal = i < complete && top == prefix;
+            const int rank = equal_before + block_exclusive_sum(equal, warp_sums, round_equal);
+            take_it = i < complete && (top > prefix || (equal && rank < remaining));
+            equal_before += round_equal;
+        }
+        const unsigned int ballot = __ballot_sync(0xffffffffu, take_it);
+        int slot = 0;
+        if (lane == 0 && ballot) slot = atomicAdd(&gathered, __popc(ballot));
+        slot = __shfl_sync(0xffffffffu, slot, 0) + __popc(ballot & ((1u << lane) - 1));
+        if (take_it) chosen[slot] = ((unsigned long long)key << 32) | (unsigned int)~i;
+    }
+    __syncthreads();
+
+    // Bitonic sort, descending, of width >= take pairs (whole warps); the padding 0 is below every real pair.
+    int width = 32;
+    while (width < take) width <<= 1;
+    unsigned long long v = tid < take ? chosen[tid] : 0ull;
+    for (int size = 2; size <= width; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            unsigned long long other;
+            if (stride >= 32) {
+                __syncthreads();  // every thread has read its last partner
+                chosen[tid] = v;
+                __syncthreads();
+                other = chosen[tid ^ stride];
+            } else {
+                other = shfl_xor_u64(v, stride);
+            }
+            // the lower of a pair keeps the larger in a run sorted descending ((tid & size) == 0), the smaller else
+            const bool keep_larger = ((tid & stride) == 0) == ((tid & size) == 0);
+            v = (keep_larger == (other > v)) ? other : v;
+        }
+    }
+    if (tid < take) dst[tid] = (int)~(unsigned int)v + offset;
+}
