@@ -178,6 +178,23 @@ def test_sparse_attention_and_indexer(cuda_backend, with_sinks, T, K, rng):
     np.testing.assert_allclose(got, ref.indexer_scores(q, kv, hw, 0.3), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize(("T", "H", "D", "R"), [(1, 64, 128, 3000), (3, 64, 128, 33), (1, 64, 128, 1),
+                                                (2, 32, 128, 700), (8, 7, 40, 100), (2, 65, 128, 300),
+                                                (9, 64, 128, 200)])
+def test_indexer_scores_at_indexer_shapes(cuda_backend, T, H, D, R, rng):
+    """The lightning indexer's scores at DeepSeek V4's shape (64 heads of 128) and GLM 5's (32), for one and a few
+    query rows over keys that fill no, one or many blocks of 32, heads and channels that fill no group of 4 and no
+    stage of 32; past 64 heads and past 8 rows the products go to the two-launch path."""
+    from ds4_backend_cuda import ops
+
+    q = rng.standard_normal((T, H, D), dtype=np.float32)
+    keys = rng.standard_normal((R, D), dtype=np.float32)
+    hw = rng.standard_normal((T, H), dtype=np.float32)
+    xp = cuda_backend.asarray
+    got = cuda_backend.to_numpy(ops.indexer_scores(xp(q), xp(keys), xp(hw), D ** -0.5))
+    np.testing.assert_allclose(got, ref.indexer_scores(q, keys, hw, D ** -0.5), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("qtypes", [("F16",) * 3, ("Q8_0",) * 3, ("F16", "Q8_0", "F16")])
 @pytest.mark.parametrize("T", [1, 3])
 def test_linears_of_one_input(cuda_backend, qtypes, T, rng):

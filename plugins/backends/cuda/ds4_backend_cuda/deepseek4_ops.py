@@ -104,11 +104,10 @@ def shared_expert(x: Any, gate: Weight, up: Weight, down: Weight, limit: float) 
 _SELECT_ENTRIES, _SELECT_SLICES = 32, 8  # the block of index_select (SELECT_* in kernels/select.cu)
 _RADIX_THREADS = 1024  # the block of index_select_radix (RADIX_THREADS), also the most entries it can choose
 # A one-row call (a decode step) of up to this many rows takes the rank-counting kernel: its O(R^2) count is spread
-# over ceil(R / 32) blocks on as many multiprocessors, while the radix kernel's single block runs its passes one
-# after another (several barriers each), so below a few thousand rows the two are close; past it the radix kernel's
-# O(R) wins (a guess until both are timed on a GPU). Several rows (prefill) always take the radix kernel when k allows:
-# O(T R^2) there is the far larger cost.
-_RANK_COUNT_MAX_ROWS = 2048
+# over ceil(R / 32) blocks, while the radix kernel's single block runs its passes one after another. Timed on the
+# H200 in CUDA graphs (k = 512): rank count 3.7, 14.7, 48.9 us and radix 10.3, 17.6, 30.0 us at R = 2048, 8192,
+# 16384. Several rows (prefill) always take the radix kernel when k allows: O(T R^2) there is the far larger cost.
+_RANK_COUNT_MAX_ROWS = 8192
 
 
 def _select_kernel(T: int, n: int, k: int) -> str:

@@ -96,10 +96,11 @@ def recurrent_module() -> Any:
 #: attention and routing weights.
 GLUE_SOURCES: tuple[str, ...] = ("select.cu", "rows.cu", "hc.cu", "norm.cu", "attention.cu", "route.cu",
                                  "compress.cu")
-GLUE_KERNELS: tuple[str, ...] = ("topk_rank", "dot_rows", "mix_rows", "relu_head_sum", "hc_split", "hc_split_norm",
-                                 "hc_collapse", "hc_expand", "rms_norm_rows", "rope_rows", "attend_rows",
-                                 "attend_merge", "attend_softmax", "route_scores", "route_weights", "route_topk",
-                                 "compress_pool", "compress_finish", "index_select", "index_select_radix")
+GLUE_KERNELS: tuple[str, ...] = ("topk_rank", "dot_rows", "mix_rows", "relu_head_sum", "indexer_scores_rows",
+                                 "hc_split", "hc_split_norm", "hc_collapse", "hc_expand", "rms_norm_rows", "rope_rows",
+                                 "attend_rows", "attend_merge", "attend_softmax", "route_scores", "route_weights",
+                                 "route_topk", "compress_pool", "compress_finish", "index_select",
+                                 "index_select_radix")
 
 
 @functools.cache

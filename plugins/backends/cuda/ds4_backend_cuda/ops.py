@@ -484,15 +484,29 @@ def sparse_attention(q: Any, kv: Any, idx: Any, sinks: Weight | None, scale: flo
     return out
 
 
+#: Most heads and the keys of one block of ``indexer_scores_rows`` (SCORE_HEADS, SCORE_KEYS in ``kernels/rows.cu``).
+_SCORE_HEADS, _SCORE_KEYS = 64, 32
+
+
 def indexer_scores(q: Any, keys: Any, head_weights: Any, scale: float) -> Any:
-    """``s[t, r] = Σ_h head_weights[t, h] · ReLU(q[t, h] · keys[r]) · scale`` -> ``[T, R]``; the products, then
-    one launch for the rest (``relu_head_sum``)."""
-    dots = cp.ascontiguousarray(contract_dot(q, keys), dtype=F32)
-    T, H, R = dots.shape
+    """``s[t, r] = Σ_h head_weights[t, h] · ReLU(q[t, h] · keys[r]) · scale`` -> ``[T, R]``. Few tokens: one launch
+    that reads each key once per token (``indexer_scores_rows``); else the products by cuBLAS, then one launch for
+    the rest (``relu_head_sum``)."""
+    q = cp.ascontiguousarray(q, dtype=F32)
+    keys = cp.ascontiguousarray(keys, dtype=F32)
+    head_weights = cp.ascontiguousarray(head_weights, dtype=F32)
+    T, H, D = q.shape
+    R = keys.shape[0]
     out = cp.empty((T, R), dtype=F32)
-    if out.size:
-        glue_kernel("relu_head_sum")((-(-R // _THREADS), T), (_THREADS,), (
-            dots, cp.ascontiguousarray(head_weights, dtype=F32), _i32(H), _i32(R), F32(scale), out))
+    if not out.size:
+        return out
+    if T <= GEMV_TOKENS and H <= _SCORE_HEADS:
+        glue_kernel("indexer_scores_rows")((-(-R // _SCORE_KEYS), T), (_SCORE_HEADS // 4 * _SCORE_KEYS // 4,), (
+            q, keys, head_weights, _i32(H), _i32(R), _i32(D), F32(scale), out))
+        return out
+    dots = cp.ascontiguousarray(contract_dot(q, keys), dtype=F32)
+    glue_kernel("relu_head_sum")((-(-R // _THREADS), T), (_THREADS,), (
+        dots, head_weights, _i32(H), _i32(R), F32(scale), out))
     return out
 
 

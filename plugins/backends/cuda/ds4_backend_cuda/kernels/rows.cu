@@ -33,6 +33,69 @@ extern "C" __global__ void mix_rows(const float* __restrict__ p, const float* __
     c[ti * D + d] = s;
 }
 
+// s[t, j] = scale · sum_h w[t, h] · max(q[t, h] · keys[j], 0) for q [T, H, D], keys [J, D], H <= SCORE_HEADS: the
+// lightning indexer's score without the [T, H, J] products in memory. A block takes SCORE_KEYS keys of one query row
+// and all its heads, in steps of SCORE_DEPTH channels staged in shared memory; each thread keeps a 4-head x 4-key
+// tile of fp32 products, so a key is read once per row instead of once per head. Missing heads are zero (their
+// products and weights vanish). grid (ceil(J / SCORE_KEYS), T), SCORE_THREADS threads.
+#define SCORE_HEADS 64
+#define SCORE_KEYS 32
+#define SCORE_DEPTH 32
+#define SCORE_THREADS (SCORE_HEADS / 4 * SCORE_KEYS / 4)
+extern "C" __global__ void __launch_bounds__(SCORE_THREADS) indexer_scores_rows(
+        const float* __restrict__ q, const float* __restrict__ keys, const float* __restrict__ w, int H, int J, int D,
+        float scale, float* __restrict__ s) {
+    grid_wait();
+    // channel-major, so a thread's 4 heads (4 keys) are one float4; rows padded by 4 against store conflicts
+    __shared__ __align__(16) float qs[SCORE_DEPTH][SCORE_HEADS + 4];
+    __shared__ __align__(16) float ks[SCORE_DEPTH][SCORE_KEYS + 4];
+    __shared__ float part[SCORE_HEADS / 4][SCORE_KEYS];
+    const int tid = threadIdx.x, hg = tid / (SCORE_KEYS / 4), kg = tid % (SCORE_KEYS / 4);
+    const long long t = blockIdx.y;
+    const int j0 = blockIdx.x * SCORE_KEYS;
+    const float* qt = q + t * H * D;
+    float acc[4][4] = {};
+    for (int d0 = 0; d0 < D; d0 += SCORE_DEPTH) {
+        for (int i = tid; i < SCORE_HEADS * SCORE_DEPTH; i += SCORE_THREADS) {  // consecutive threads: channels
+            const int h = i / SCORE_DEPTH, c = i % SCORE_DEPTH;
+            qs[c][h] = h < H && d0 + c < D ? qt[(long long)h * D + d0 + c] : 0.f;
+        }
+        for (int i = tid; i < SCORE_KEYS * SCORE_DEPTH; i += SCORE_THREADS) {
+            const int j = i / SCORE_DEPTH, c = i % SCORE_DEPTH;
+            ks[c][j] = j0 + j < J && d0 + c < D ? keys[(long long)(j0 + j) * D + d0 + c] : 0.f;
+        }
+        __syncthreads();
+#pragma unroll 8
+        for (int c = 0; c < SCORE_DEPTH; ++c) {
+            const float4 a = *reinterpret_cast<const float4*>(&qs[c][4 * hg]);
+            const float4 b = *reinterpret_cast<const float4*>(&ks[c][4 * kg]);
+            const float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+            for (int h = 0; h < 4; ++h)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) acc[h][j] = fmaf(av[h], bv[j], acc[h][j]);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        float sum = 0.f;
+#pragma unroll
+        for (int h = 0; h < 4; ++h) {
+            const int head = 4 * hg + h;
+            if (head < H) sum = fmaf(w[t * H + head], fmaxf(acc[h][j], 0.f), sum);
+        }
+        part[hg][4 * kg + j] = sum;
+    }
+    __syncthreads();
+    if (tid < SCORE_KEYS && j0 + tid < J) {
+        float total = 0.f;
+#pragma unroll
+        for (int g = 0; g < SCORE_HEADS / 4; ++g) total += part[g][tid];
+        s[t * J + j0 + tid] = total * scale;
+    }
+}
+
 // s[t, j] = scale · sum_h w[t, h] · max(dots[t, h, j], 0) for dots [T, H, J]: the lightning indexer's score from its
 // per-head products in one launch (as array code: ReLU, product, sum, scale); one thread per (t, j), heads in order;
 // grid (ceil(J / blockDim.x), T).
