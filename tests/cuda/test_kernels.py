@@ -180,11 +180,11 @@ def test_sparse_attention_and_indexer(cuda_backend, with_sinks, T, K, rng):
 
 @pytest.mark.parametrize(("T", "H", "D", "R"), [(1, 64, 128, 3000), (3, 64, 128, 33), (1, 64, 128, 1),
                                                 (2, 32, 128, 700), (8, 7, 40, 100), (2, 65, 128, 300),
-                                                (9, 64, 128, 200)])
+                                                (9, 64, 128, 200), (2, 11, 42, 50)])
 def test_indexer_scores_at_indexer_shapes(cuda_backend, T, H, D, R, rng):
     """The lightning indexer's scores at DeepSeek V4's shape (64 heads of 128) and GLM 5's (32), for one and a few
     query rows over keys that fill no, one or many blocks of 32, heads and channels that fill no group of 4 and no
-    stage of 32; past 64 heads and past 8 rows the products go to the two-launch path."""
+    stage of 32; past 64 heads, past 8 rows or on rows of no whole float4s the products go to the two-launch path."""
     from ds4_backend_cuda import ops
 
     q = rng.standard_normal((T, H, D), dtype=np.float32)

@@ -500,7 +500,7 @@ def indexer_scores(q: Any, keys: Any, head_weights: Any, scale: float) -> Any:
     out = cp.empty((T, R), dtype=F32)
     if not out.size:
         return out
-    if T <= GEMV_TOKENS and H <= _SCORE_HEADS:
+    if T <= GEMV_TOKENS and H <= _SCORE_HEADS and D % 4 == 0:  # rows of whole float4s
         glue_kernel("indexer_scores_rows")((-(-R // _SCORE_KEYS), T), (_SCORE_HEADS // 4 * _SCORE_KEYS // 4,), (
             q, keys, head_weights, _i32(H), _i32(R), _i32(D), F32(scale), out))
         return out

@@ -33,15 +33,31 @@ extern "C" __global__ void mix_rows(const float* __restrict__ p, const float* __
     c[ti * D + d] = s;
 }
 
-// s[t, j] = scale · sum_h w[t, h] · max(q[t, h] · keys[j], 0) for q [T, H, D], keys [J, D], H <= SCORE_HEADS: the
-// lightning indexer's score without the [T, H, J] products in memory. A block takes SCORE_KEYS keys of one query row
-// and all its heads, in steps of SCORE_DEPTH channels staged in shared memory; each thread keeps a 4-head x 4-key
-// tile of fp32 products, so a key is read once per row instead of once per head. Missing heads are zero (their
-// products and weights vanish). grid (ceil(J / SCORE_KEYS), T), SCORE_THREADS threads.
+// s[t, j] = scale · sum_h w[t, h] · max(q[t, h] · keys[j], 0) for q [T, H, D], keys [J, D], H <= SCORE_HEADS and
+// D % 4 == 0: the lightning indexer's score without the [T, H, J] products in memory. A block takes SCORE_KEYS keys
+// of one query row and all its heads, in stages of SCORE_DEPTH channels through shared memory, the next stage's
+// loads in flight while the current one is multiplied; each thread keeps a 4-head x 4-key tile of fp32 products, so
+// a key is read once per row instead of once per head. Missing heads are zero (their products and weights vanish).
+// grid (ceil(J / SCORE_KEYS), T), SCORE_THREADS threads.
 #define SCORE_HEADS 64
 #define SCORE_KEYS 32
 #define SCORE_DEPTH 32
 #define SCORE_THREADS (SCORE_HEADS / 4 * SCORE_KEYS / 4)
+#define SCORE_Q_LOADS (SCORE_HEADS * SCORE_DEPTH / 4 / SCORE_THREADS)  // float4 loads a thread makes a stage
+#define SCORE_K_LOADS (SCORE_KEYS * SCORE_DEPTH / 4 / SCORE_THREADS)
+
+__device__ __forceinline__ float4 score_load(const float* rows, int row, int rows_n, int c, int D) {
+    return row < rows_n && c < D ? *reinterpret_cast<const float4*>(rows + (long long)row * D + c)
+                                 : make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
+__device__ __forceinline__ void score_store(float* col, int stride, float4 v) {
+    col[0] = v.x;
+    col[stride] = v.y;
+    col[2 * stride] = v.z;
+    col[3 * stride] = v.w;
+}
+
 extern "C" __global__ void __launch_bounds__(SCORE_THREADS) indexer_scores_rows(
         const float* __restrict__ q, const float* __restrict__ keys, const float* __restrict__ w, int H, int J, int D,
         float scale, float* __restrict__ s) {
@@ -54,17 +70,45 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS) indexer_scores_rows(
     const long long t = blockIdx.y;
     const int j0 = blockIdx.x * SCORE_KEYS;
     const float* qt = q + t * H * D;
+    const float* kb = keys + (long long)j0 * D;
+    constexpr int quads = SCORE_DEPTH / 4;  // float4 loads per row and stage; load i is row i / quads
+    float4 qn[SCORE_Q_LOADS], kn[SCORE_K_LOADS];
+#pragma unroll
+    for (int r = 0; r < SCORE_Q_LOADS; ++r) {
+        const int i = tid + r * SCORE_THREADS;
+        qn[r] = score_load(qt, i / quads, H, 4 * (i % quads), D);
+    }
+#pragma unroll
+    for (int r = 0; r < SCORE_K_LOADS; ++r) {
+        const int i = tid + r * SCORE_THREADS;
+        kn[r] = score_load(kb, i / quads, J - j0, 4 * (i % quads), D);
+    }
     float acc[4][4] = {};
     for (int d0 = 0; d0 < D; d0 += SCORE_DEPTH) {
-        for (int i = tid; i < SCORE_HEADS * SCORE_DEPTH; i += SCORE_THREADS) {  // consecutive threads: channels
-            const int h = i / SCORE_DEPTH, c = i % SCORE_DEPTH;
-            qs[c][h] = h < H && d0 + c < D ? qt[(long long)h * D + d0 + c] : 0.f;
+#pragma unroll
+        for (int r = 0; r < SCORE_Q_LOADS; ++r) {
+            const int i = tid + r * SCORE_THREADS;
+            score_store(&qs[4 * (i % quads)][i / quads], SCORE_HEADS + 4, qn[r]);
         }
-        for (int i = tid; i < SCORE_KEYS * SCORE_DEPTH; i += SCORE_THREADS) {
-            const int j = i / SCORE_DEPTH, c = i % SCORE_DEPTH;
-            ks[c][j] = j0 + j < J && d0 + c < D ? keys[(long long)(j0 + j) * D + d0 + c] : 0.f;
+#pragma unroll
+        for (int r = 0; r < SCORE_K_LOADS; ++r) {
+            const int i = tid + r * SCORE_THREADS;
+            score_store(&ks[4 * (i % quads)][i / quads], SCORE_KEYS + 4, kn[r]);
         }
         __syncthreads();
+        const int next = d0 + SCORE_DEPTH;
+        if (next < D) {
+#pragma unroll
+            for (int r = 0; r < SCORE_Q_LOADS; ++r) {
+                const int i = tid + r * SCORE_THREADS;
+                qn[r] = score_load(qt, i / quads, H, next + 4 * (i % quads), D);
+            }
+#pragma unroll
+            for (int r = 0; r < SCORE_K_LOADS; ++r) {
+                const int i = tid + r * SCORE_THREADS;
+                kn[r] = score_load(kb, i / quads, J - j0, next + 4 * (i % quads), D);
+            }
+        }
 #pragma unroll 8
         for (int c = 0; c < SCORE_DEPTH; ++c) {
             const float4 a = *reinterpret_cast<const float4*>(&qs[c][4 * hg]);
