@@ -3,9 +3,13 @@
 // has finished and its writes are visible. Such a kernel calls grid_wait() before it reads anything an earlier
 // kernel writes and before it writes anything: only loads of constant data (weights, tables) may come first, and
 // they then overlap the predecessor's tail. Without the launch attribute, and before sm_90, it does nothing.
+//
+// Past the wait, the kernel lets its own successor launch: that one's blocks take free slots and run up to their
+// own grid_wait() (a GEMV: its first weight loads) while this kernel works. The successor's wait still covers all
+// of this kernel's writes, and it cannot launch before every block here has started, so nothing here is crowded out.
 __device__ __forceinline__ void grid_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
-
