@@ -348,6 +348,7 @@ struct WarpDot {
         int nchunks = (nblocks + Q::CHUNK - 1) / Q::CHUNK;
         uint4 buf[LOADS];
         if (ks < nchunks) fetch(row, ks, nblocks, lane, buf);
+        grid_wait();  // the first weights are in flight (pdl.cuh); x is the previous kernel's output
         for (int c = ks; c < nchunks; c += KS) {
             __syncwarp();
 #pragma unroll
@@ -450,7 +451,6 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv(
         const u8* __restrict__ w, long long row_bytes, int nrows, int ncols, const float* __restrict__ x,
         long long x_stride, int group_rows, int ntok, float* __restrict__ y, int KS,
         const long long* __restrict__ segs, int nsegs) {
-    grid_wait();
     using D = WarpDot<Q, GEMV_ROWS, NT>;
     __shared__ uint4 stage[GEMV_WARPS][D::SLOTS];
     __shared__ float partial[GEMV_WARPS][GEMV_ROWS * NT];

@@ -296,11 +296,11 @@ template <class Q>
 __global__ void __launch_bounds__(32 * GEMV_WARPS) moe_gemv_i8(
         const u8* __restrict__ w, long long expert_bytes, long long row_bytes, int nrows, int ncols,
         const int* __restrict__ idx, const float* __restrict__ x, int x_div, float* __restrict__ y) {
-    grid_wait();
     using D = WarpDot<I8<Q>, GEMV_ROWS, 1>;
     __shared__ uint4 stage[GEMV_WARPS][D::SLOTS];
     __shared__ __align__(16) u8 table[I8Table<Q>::BYTES];
-    I8<Q>::fill(table);
+    I8<Q>::fill(table);  // constant data: before the wait, beside the previous kernel's tail
+    grid_wait();
     int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     int p = blockIdx.y, e = idx[p];
     int r0 = (blockIdx.x * GEMV_WARPS + warp) * GEMV_ROWS;
@@ -332,12 +332,12 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS / 2) moe_gate_up_i8(
         const u8* __restrict__ wg, const u8* __restrict__ wu, long long expert_bytes, long long row_bytes,
         int nrows, int ncols, const int* __restrict__ idx, const float* __restrict__ x, int x_div, float limit,
         float* __restrict__ h) {
-    grid_wait();
     constexpr int WARPS = GEMV_WARPS / 2;
     using D = WarpDot<I8<Q>, 2 * GEMV_ROWS, 1>;
     __shared__ uint4 stage[WARPS][D::SLOTS];
     __shared__ __align__(16) u8 table[I8Table<Q>::BYTES];
-    I8<Q>::fill(table);
+    I8<Q>::fill(table);  // constant data: before the wait, beside the previous kernel's tail
+    grid_wait();
     int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     int p = blockIdx.y, e = idx ? idx[p] : 0;
     int r0 = (blockIdx.x * WARPS + warp) * GEMV_ROWS;
