@@ -269,7 +269,7 @@ def test_moe_route(cuda_backend, rng, T, E, k):
 # n = 6: the Sinkhorn matrix spans two registers per lane and is summed lane by lane; n = 2, 4: by butterflies.
 # n · D a multiple of 1024 takes the fused mix (four column slices for (4, 256), 32 for (4, 2048), and for (6, 512)
 # 48 mix rows, more than a warp's lanes); the others the unfused one. hc_pre_norm: one launch for (4, 256) and
-# (4, 2048), the composition for the others.
+# (4, 2048), the composition for the others; hc_post_pre_norm: hc_expand_mix and hc_split_norm for the same two.
 @pytest.mark.parametrize("n, D", [(4, 64), (6, 64), (2, 64), (4, 256), (4, 2048), (6, 512)])
 def test_hc_and_deepseek4_ops(cuda_backend, n, D, rng):
     from ds4_backend_cuda import deepseek4_ops as cu
@@ -295,6 +295,19 @@ def test_hc_and_deepseek4_ops(cuda_backend, n, D, rng):
     y = rng.standard_normal((T, D), dtype=np.float32)
     np.testing.assert_allclose(host(hc.hc_post(xp(S), xp(y), got[1], got[2])),
                                ops_hc.hc_post(S, y, want[1], want[2]), rtol=1e-4, atol=1e-5)
+    # hc_post then hc_pre_norm, the expansion and the next mix in one launch for n = 4 with slices: bit for bit the
+    # two CUDA ops (the same arithmetic), and the numpy reference on the same post and comb
+    ffn = [_pair(cuda_backend, "F16", ((2 + n) * n, n * D), rng), _pair(cuda_backend, "F32", (3,), rng),
+           _pair(cuda_backend, "F32", ((2 + n) * n,), rng), _pair(cuda_backend, "F32", (D,), rng)]
+    (fn2_ref, fn2), (sc2_ref, sc2), (base2_ref, base2), (norm2_ref, norm2) = ffn
+    both = cu.hc_post_pre_norm(xp(S), xp(y), got[1], got[2], fn2, sc2, base2, 20, 1e-6, 1e-6, norm2)
+    S2 = hc.hc_post(xp(S), xp(y), got[1], got[2])
+    for g, w in zip(both, (S2, *cu.hc_pre_norm(S2, fn2, sc2, base2, 20, 1e-6, 1e-6, norm2)), strict=True):
+        np.testing.assert_array_equal(host(g), host(w))
+    want_both = dref.hc_post_pre_norm(S, y, host(got[1]), host(got[2]), fn2_ref, sc2_ref, base2_ref, 20, 1e-6, 1e-6,
+                                      norm2_ref)
+    for g, w in zip(both, want_both, strict=True):
+        np.testing.assert_allclose(host(g), w, rtol=1e-4, atol=1e-5)
     hfn_ref, hfn = _pair(cuda_backend, "F16", (n, n * D), rng)
     hs_ref, hs = _pair(cuda_backend, "F32", (1,), rng)
     hb_ref, hb = _pair(cuda_backend, "F32", (n,), rng)

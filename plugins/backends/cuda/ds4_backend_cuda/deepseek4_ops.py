@@ -13,7 +13,7 @@ import numpy as np
 
 from ds4_core.backend import Weight
 
-from .hc_ops import hc_pre_norm
+from .hc_ops import hc_post_pre_norm, hc_pre_norm
 from .modules import glue_kernel
 from .ops import MAX_GRID_Y, MOE_PAIR_LIMIT, linear, linears, moe_gate_up_launch, norm_rope, swiglu, values
 
@@ -145,5 +145,6 @@ DEEPSEEK4_OPS = {
     "index_select": index_select,
     "linears": linears,
     "hc_pre_norm": hc_pre_norm,
+    "hc_post_pre_norm": hc_post_pre_norm,
     "norm_rope": norm_rope,
 }

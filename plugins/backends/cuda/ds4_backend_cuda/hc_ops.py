@@ -46,16 +46,16 @@ def _sliced(T: int, K: int) -> bool:
     return T <= GEMV_TOKENS and K % (4 * MIX_SLICE) == 0
 
 
-def _mix_slices(S: Any, fn: Weight) -> tuple[int, Any, Any]:
-    """(slices, mix [T, M] to fill, part [T, M + 1, slices]): the column slices' products with ``fn`` and sums of
-    squares of the contiguous streams ``S [T, n, D]``, which ``hc_split`` finishes."""
+def _mix_slices(S: Any, fn: Weight) -> tuple[int, Any]:
+    """(slices, part [T, M + 1, slices]): the column slices' products with ``fn`` and sums of squares of the
+    contiguous streams ``S [T, n, D]``, which ``hc_split`` finishes."""
     T, n = S.shape[:2]
     K, M = S[0].size, (2 + n) * n
-    slices, mix = K // MIX_SLICE, cp.empty((T, M), F32)
+    slices = K // MIX_SLICE
     part = cp.empty((T, M + 1, slices), F32)
     quant_kernel("mix_slices", fn.qtype)((slices, T), (256,), (
         fn.data, np.int64(fn.data.shape[1]), np.int32(M), np.int32(K), S, part))
-    return slices, mix, part
+    return slices, part
 
 
 def hc_pre(S: Any, fn: Weight, scale: Weight, base: Weight, iters: int, eps: float,
@@ -71,7 +71,8 @@ def hc_pre(S: Any, fn: Weight, scale: Weight, base: Weight, iters: int, eps: flo
     if T == 0:
         return cp.empty((0, S.shape[2]), F32), post, comb
     if _sliced(T, K):  # decode: hc_split finishes the mix from the slices
-        slices, mix, part = _mix_slices(S, fn)
+        slices, part = _mix_slices(S, fn)
+        mix = cp.empty((T, (2 + n) * n), F32)
     else:
         slices, mix = 0, cp.ascontiguousarray(_hc_mix(S, fn, norm_eps), dtype=F32)
         part = mix
@@ -82,23 +83,55 @@ def hc_pre(S: Any, fn: Weight, scale: Weight, base: Weight, iters: int, eps: flo
     return weighted_rows(pre, S), post, comb
 
 
-def hc_pre_norm(S: Any, fn: Weight, scale: Weight, base: Weight, iters: int, eps: float, norm_eps: float,
-                norm: Weight) -> tuple[Any, Any, Any]:
-    """:func:`hc_pre`, then ``c`` RMSNormed with weight ``norm`` (eps ``norm_eps``): a decode step's few tokens of
-    four streams take one launch for the split, the collapse and the norm (``hc_split_norm``) after the mix's."""
+def _split_norm_fits(T: int, n: int, D: int) -> bool:
+    """Whether a step of ``T`` tokens of ``n`` streams of ``D`` takes ``hc_split_norm`` after a sliced mix."""
+    return 0 < T and n == HC_NORM_STREAMS and D % 4 == 0 and D <= HC_NORM_COLUMNS and _sliced(T, n * D)
+
+
+def _split_norm(S: Any, slices: int, part: Any, scale: Weight, base: Weight, iters: int, eps: float,
+                norm_eps: float, norm: Weight) -> tuple[Any, Any, Any]:
+    """(normalised collapse ``[T, D]``, post, comb) of the streams ``S`` from their mix's column slices ``part``."""
     T, n, D = S.shape
-    if not (0 < T and n == HC_NORM_STREAMS and D % 4 == 0 and D <= HC_NORM_COLUMNS and _sliced(T, n * D)):
-        c, post, comb = hc_pre(S, fn, scale, base, iters, eps, norm_eps)
-        return rms_norm(c, norm, norm_eps), post, comb
-    S = cp.ascontiguousarray(S, dtype=F32)
-    slices, mix, part = _mix_slices(S, fn)
-    pre, post, comb, out = (cp.empty((T, n), F32), cp.empty((T, n), F32), cp.empty((T, n, n), F32),
-                            cp.empty((T, D), F32))
+    mix, pre, post, comb, out = (cp.empty((T, (2 + n) * n), F32), cp.empty((T, n), F32), cp.empty((T, n), F32),
+                                 cp.empty((T, n, n), F32), cp.empty((T, D), F32))
     glue_kernel("hc_split_norm")((T, 2), (HC_NORM_THREADS,), (
         mix, part, np.int32(slices), np.int32(n * D), F32(norm_eps), cp.ascontiguousarray(values(scale), dtype=F32),
         cp.ascontiguousarray(values(base), dtype=F32), np.int32(iters), F32(eps), pre, post, comb, S,
         np.int32(D), cp.ascontiguousarray(values(norm), dtype=F32), out))
     return out, post, comb
+
+
+def hc_pre_norm(S: Any, fn: Weight, scale: Weight, base: Weight, iters: int, eps: float, norm_eps: float,
+                norm: Weight) -> tuple[Any, Any, Any]:
+    """:func:`hc_pre`, then ``c`` RMSNormed with weight ``norm`` (eps ``norm_eps``): a decode step's few tokens of
+    four streams take one launch for the split, the collapse and the norm (``hc_split_norm``) after the mix's."""
+    T, n, D = S.shape
+    if not _split_norm_fits(T, n, D):
+        c, post, comb = hc_pre(S, fn, scale, base, iters, eps, norm_eps)
+        return rms_norm(c, norm, norm_eps), post, comb
+    S = cp.ascontiguousarray(S, dtype=F32)
+    slices, part = _mix_slices(S, fn)
+    return _split_norm(S, slices, part, scale, base, iters, eps, norm_eps, norm)
+
+
+def hc_post_pre_norm(S: Any, y: Any, post: Any, comb: Any, fn: Weight, scale: Weight, base: Weight, iters: int,
+                     eps: float, norm_eps: float, norm: Weight) -> tuple[Any, Any, Any, Any]:
+    """:func:`hc_post`, then :func:`hc_pre_norm` of its streams -> (streams, normalised input, post, comb): a decode
+    step's few tokens of four streams take one launch for the expansion and the next mix (``hc_expand_mix``), one
+    for the rest."""
+    T, n, D = S.shape
+    if not _split_norm_fits(T, n, D):
+        S = hc_post(S, y, post, comb)
+        return (S, *hc_pre_norm(S, fn, scale, base, iters, eps, norm_eps, norm))
+    S = cp.ascontiguousarray(S, dtype=F32)
+    out, M = cp.empty_like(S), (2 + n) * n
+    slices = n * D // MIX_SLICE
+    part = cp.empty((T, M + 1, slices), F32)
+    quant_kernel("hc_expand_mix", fn.qtype)((slices, T), (256,), (
+        fn.data, np.int64(fn.data.shape[1]), np.int32(M), S, cp.ascontiguousarray(y, dtype=F32),
+        cp.ascontiguousarray(post, dtype=F32), cp.ascontiguousarray(comb, dtype=F32), np.int32(n), np.int32(D), out,
+        part))
+    return (out, *_split_norm(out, slices, part, scale, base, iters, eps, norm_eps, norm))
 
 
 def hc_post(S: Any, y: Any, post: Any, comb: Any) -> Any:

@@ -24,7 +24,7 @@ QUANT_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q
 #: Kernel names of :func:`quant_kernel` -> template instantiation in quant.cu (``Q`` is the format struct).
 QUANT_KERNELS: dict[str, str] = {"gemv1": "gemv<Q, 1>", "gemv8": "gemv<Q, 8>", "moe_gemv": "moe_gemv<Q>",
                                  "moe_gate_up": "moe_gate_up<Q>", "dequant_rows": "dequant_rows<Q>",
-                                 "mix_slices": "mix_slices<Q>"}
+                                 "mix_slices": "mix_slices<Q>", "hc_expand_mix": "hc_expand_mix<Q>"}
 #: Formats with integer decode kernels (int8 activations, ``__dp4a``) and those kernels' instantiations.
 INT8_TYPES: tuple[str, ...] = ("Q8_0", "Q2_K", "IQ2_XXS")
 INT8_KERNELS: dict[str, str] = {"gemv1_i8": "gemv_i8<Q>", "moe_gemv_i8": "moe_gemv_i8<Q>",

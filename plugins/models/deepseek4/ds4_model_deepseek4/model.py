@@ -407,6 +407,15 @@ def compose_hc_pre_norm(ops: Ops, S: Any, fn: Any, scale: Any, base: Any, iters:
     return ops.rms_norm(c, norm, norm_eps), post, comb
 
 
+def compose_hc_post_pre_norm(ops: Ops, S: Any, y: Any, post: Any, comb: Any, fn: Any, scale: Any, base: Any,
+                             iters: int, eps: float, norm_eps: float, norm: Any) -> tuple[Any, Any, Any, Any]:
+    """One sub-layer's output into the streams and the next one's input, the definition of the op
+    ``hc_post_pre_norm``: ``hc_post(S, y, post, comb)``, then ``hc_pre_norm`` of those streams -> (streams, the
+    normalised input ``[T, D]``, post, comb)."""
+    S = ops.hc_post(S, y, post, comb)
+    return (S, *fused(ops, "hc_pre_norm", compose_hc_pre_norm)(S, fn, scale, base, iters, eps, norm_eps, norm))
+
+
 class Block:
     """One decoder layer: hyper-connection around attention, then around the MoE (spec §3–4)."""
 
@@ -426,13 +435,25 @@ class Block:
                  index: StepIndex | None = None) -> Any:
         """Streams ``S [T, n, D]`` -> ``[T, n, D]`` (``p0 = None``: one token at the device position ``pos``, with
         the step's shared ``index``)."""
+        S, pending = self.layer(ops, S, None, ids, pos, ls, p0, index)
+        return ops.hc_post(S, *pending)
+
+    def layer(self, ops: Ops, S: Any, pending: tuple[Any, Any, Any] | None, ids: Any, pos: Any, ls: LayerState,
+              p0: int | None, index: StepIndex | None = None) -> tuple[Any, tuple[Any, Any, Any]]:
+        """The layer with its last ``hc_post`` left to the caller, so that it can go with the next layer's
+        ``hc_pre_norm`` (``hc_post_pre_norm``, one op): ``pending`` is the previous layer's (MoE output, post, comb)
+        still to add to ``S``, or None; returns the streams and this layer's pending triple."""
         cfg = self.cfg
         hc = (cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
-        pre = fused(ops, "hc_pre_norm", compose_hc_pre_norm)
-        x, post, comb = pre(S, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, *hc, self.attn_norm)
-        S = ops.hc_post(S, self.attn(ops, x, pos, ls, p0, index), post, comb)
-        x, post, comb = pre(S, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, *hc, self.ffn_norm)
-        return ops.hc_post(S, self.ffn(ops, x, ids), post, comb)
+        post_pre = fused(ops, "hc_post_pre_norm", compose_hc_post_pre_norm)
+        attn = (self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, *hc, self.attn_norm)
+        if pending is None:
+            x, post, comb = fused(ops, "hc_pre_norm", compose_hc_pre_norm)(S, *attn)
+        else:
+            S, x, post, comb = post_pre(S, *pending, *attn)
+        S, x, post, comb = post_pre(S, self.attn(ops, x, pos, ls, p0, index), post, comb, self.hc_ffn_fn,
+                                    self.hc_ffn_scale, self.hc_ffn_base, *hc, self.ffn_norm)
+        return S, (self.ffn(ops, x, ids), post, comb)
 
 
 class DeepSeekV4Model:
@@ -498,8 +519,11 @@ class DeepSeekV4Model:
         x = ops.embed(self.token_embd, ids)
         S = xp.repeat(x[:, None, :], cfg.hc_mult, axis=1)
         index = StepIndex(xp, pos, cfg.sliding_window) if p0 is None else None
+        pending = None
         for block, ls in zip(self.blocks, state.layers, strict=True):
-            S = block(ops, S, ids, pos, ls, p0, index)
+            S, pending = block.layer(ops, S, pending, ids, pos, ls, p0, index)
+        if pending is not None:
+            S = ops.hc_post(S, *pending)
         h = ops.hc_head(S[-1:] if last_row else S, self.output_hc_fn, self.output_hc_scale, self.output_hc_base,
                         cfg.hc_eps, cfg.rms_norm_eps)
         return ops.linear(ops.rms_norm(h, self.output_norm, cfg.rms_norm_eps), self.output), S

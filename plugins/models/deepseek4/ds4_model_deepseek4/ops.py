@@ -16,6 +16,7 @@ from ds4_core.ops import CORE_OPS
 
 from .model import (
     compose_compress_step,
+    compose_hc_post_pre_norm,
     compose_hc_pre_norm,
     compose_index_select,
     compose_linears,
@@ -61,6 +62,14 @@ def hc_pre_norm(S: Any, fn: Any, scale: Any, base: Any, iters: int, eps: float, 
     return compose_hc_pre_norm(_NUMPY_OPS, S, fn, scale, base, iters, eps, norm_eps, norm)
 
 
+def hc_post_pre_norm(S: Any, y: Any, post: Any, comb: Any, fn: Any, scale: Any, base: Any, iters: int, eps: float,
+                     norm_eps: float, norm: Any) -> tuple[Any, Any, Any, Any]:
+    """A sub-layer's output into the streams, then the next one's normalised input
+    (:func:`.model.compose_hc_post_pre_norm` over the core numpy ops), the reference of backends that expand the
+    streams and start the next mix in one launch."""
+    return compose_hc_post_pre_norm(_NUMPY_OPS, S, y, post, comb, fn, scale, base, iters, eps, norm_eps, norm)
+
+
 def norm_rope(x: Any, w: Any, eps: float, positions: Any, inv_freq: Any) -> Any:
     """RMSNorm then RoPE (:func:`.model.compose_norm_rope` over the core numpy ops), the reference of backends that
     do both in one launch."""
@@ -75,5 +84,6 @@ DEEPSEEK4_OPS: dict[str, Callable] = {
     "index_select": index_select,
     "linears": linears,
     "hc_pre_norm": hc_pre_norm,
+    "hc_post_pre_norm": hc_post_pre_norm,
     "norm_rope": norm_rope,
 }

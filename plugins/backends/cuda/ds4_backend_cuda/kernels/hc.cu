@@ -281,6 +281,6 @@ extern "C" __global__ void hc_expand(const float* __restrict__ S, const float* _
     for (int k = 0; k < n; ++k) {
         float mixed = 0.f;
         for (int i = 0; i < n; ++i) mixed = fmaf(c[i * n + k], s[i], mixed);
-        out[(t * n + k) * D + d] = post[t * n + k] * yd + mixed;
+        out[(t * n + k) * D + d] = fmaf(post[t * n + k], yd, mixed);  // as hc_expand_mix (kernels/quant.cu)
     }
 }

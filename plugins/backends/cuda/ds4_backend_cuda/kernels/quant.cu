@@ -554,14 +554,12 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS / 2) moe_gate_up(
 // t's flattened streams x [T, K] and writes part[t, r, s] = fn[r] . x over them for r < M, and part[t, M, s] = the
 // sum of x^2 over them. hc_split sums the slices in order and divides by the RMS of x: with the norm folded into the
 // product, the mix is one launch spread over K / 256 blocks instead of a one-block norm and a GEMV of M rows.
+// mix_slice is a block's work once each lane holds its 8 columns c .. c + 7 (every warp the same ones) in xa, xb.
 template <class Q>
-__global__ void __launch_bounds__(256) mix_slices(const u8* __restrict__ fn, long long row_bytes, int M, int K,
-                                                  const float* __restrict__ x, float* __restrict__ part) {
-    grid_wait();
+__device__ __forceinline__ void mix_slice(const u8* __restrict__ fn, long long row_bytes, int M, int c, float4 xa,
+                                          float4 xb, float* __restrict__ part) {
     constexpr int WARPS = 8, AHEAD = 4;  // rows a warp loads before it sums them
-    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, c = 256 * blockIdx.x + 8 * lane;
-    const float4* xv = reinterpret_cast<const float4*>(x + (long long)blockIdx.y * K + c);
-    const float4 xa = xv[0], xb = xv[1];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     float* out = part + (long long)blockIdx.y * (M + 1) * gridDim.x + blockIdx.x;
     for (int r0 = warp; r0 < M; r0 += WARPS * AHEAD) {
         float d[AHEAD];
@@ -583,6 +581,52 @@ __global__ void __launch_bounds__(256) mix_slices(const u8* __restrict__ fn, lon
                                   xb.y * xb.y + xb.z * xb.z + xb.w * xb.w);
         if (lane == 0) out[(long long)M * gridDim.x] = ss;
     }
+}
+
+template <class Q>
+__global__ void __launch_bounds__(256) mix_slices(const u8* __restrict__ fn, long long row_bytes, int M, int K,
+                                                  const float* __restrict__ x, float* __restrict__ part) {
+    grid_wait();
+    const int c = 256 * blockIdx.x + 8 * (threadIdx.x & 31);
+    const float4* xv = reinterpret_cast<const float4*>(x + (long long)blockIdx.y * K + c);
+    mix_slice<Q>(fn, row_bytes, M, c, xv[0], xv[1], part);
+}
+
+// hc_expand (kernels/hc.cu, same arithmetic) of a slice's columns, then mix_slices of the expanded streams: one
+// sub-layer's output spread over the streams and the next sub-layer's mix in one launch. out[t, k, d] =
+// post[t, k] · y[t, d] + sum_i comb[t, i, k] · S[t, i, d] for n streams of D columns (D a multiple of 256, so a slice
+// lies in one stream); the first warp writes the slice to out, all warps mix it.
+template <class Q>
+__global__ void __launch_bounds__(256) hc_expand_mix(
+        const u8* __restrict__ fn, long long row_bytes, int M, const float* __restrict__ S,
+        const float* __restrict__ y, const float* __restrict__ post, const float* __restrict__ comb, int n, int D,
+        float* __restrict__ out, float* __restrict__ part) {
+    grid_wait();
+    const int c = 256 * blockIdx.x + 8 * (threadIdx.x & 31), k = c / D, d = c % D;
+    const long long t = blockIdx.y;
+    const float* ct = comb + t * n * n;
+    float v[8] = {};
+    for (int i = 0; i < n; ++i) {
+        const float ci = ct[i * n + k];
+        const float4* si = reinterpret_cast<const float4*>(S + (t * n + i) * D + d);
+        const float4 a = si[0], b = si[1];
+        const float s8[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = fmaf(ci, s8[j], v[j]);
+    }
+    const float pk = post[t * n + k];
+    const float4* yv = reinterpret_cast<const float4*>(y + t * D + d);
+    const float4 ya = yv[0], yb = yv[1];
+    const float y8[8] = {ya.x, ya.y, ya.z, ya.w, yb.x, yb.y, yb.z, yb.w};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = fmaf(pk, y8[j], v[j]);
+    const float4 xa = make_float4(v[0], v[1], v[2], v[3]), xb = make_float4(v[4], v[5], v[6], v[7]);
+    if (threadIdx.x < 32) {
+        float4* o = reinterpret_cast<float4*>(out + (t * n + k) * D + d);
+        o[0] = xa;
+        o[1] = xb;
+    }
+    mix_slice<Q>(fn, row_bytes, M, c, xa, xb, part);
 }
 
 // out[i, :] = row rows[i] of W as float32 (rows == nullptr: row i). One thread per 8 elements.
