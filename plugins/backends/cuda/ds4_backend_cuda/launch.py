@@ -81,7 +81,8 @@ def _dims(dims: Sequence[int]) -> Any:
 
 class Kernel:
     """A ``cupy.RawKernel`` called the same way (``kernel(grid, block, args, shared_mem=0)``), whose launches ask
-    for programmatic serialization when :func:`programmatic`. The kernel must call ``grid_wait()`` first."""
+    for programmatic serialization when :func:`programmatic`. The kernel must call ``grid_wait()`` before it reads
+    anything an earlier kernel wrote (``kernels/pdl.cuh``)."""
 
     def __init__(self, raw: Any):
         self.raw = raw
