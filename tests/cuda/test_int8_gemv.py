@@ -263,3 +263,25 @@ def test_environment_switch_selects_the_path(cuda_backend, monkeypatch, rng):
         else:
             monkeypatch.setenv(ops.INT8_ENV, env)
         np.testing.assert_array_equal(cuda_backend.to_numpy(ops.linear(x, w)), results[int8])
+
+
+@pytest.mark.parametrize("qtype", INT8_TYPES)
+def test_norm_linear_folds_the_rms_norm_into_the_int8_gemv(cuda_backend, monkeypatch, qtype, rng):
+    """One token's RMSNorm folded into the int8 GEMV (DeepSeek V4's query latent into ``attn_q_b``): divided by the
+    norm's scale rsqrt(mean(x²) + eps), the result is the int8 GEMV of x · norm within the rounding bound; two
+    tokens take the composition (``rms_norm``, then ``linear``), bit for bit."""
+    from ds4_backend_cuda import deepseek4_ops as cu
+    from ds4_backend_cuda import ops
+
+    monkeypatch.setenv(ops.INT8_ENV, "1")
+    ncols = 1024
+    w_ref, w, mins = _pair(cuda_backend, qtype, (300, ncols), rng)
+    x = _activations(rng, 2, ncols)
+    gain = rng.uniform(0.5, 2.0, ncols).astype(np.float32)
+    norm = cuda_backend.upload("n", "F32", (ncols,), gain.view(np.uint8))
+    got = cuda_backend.to_numpy(cu.norm_linear(cuda_backend.asarray(x[:1]), norm, 1e-6, w))
+    scale = 1 / np.sqrt(np.mean(x[:1].astype(np.float64) ** 2) + 1e-6)
+    _check(got / scale, x[:1] * gain, w_ref.data, mins)
+    xs = cuda_backend.asarray(x)
+    np.testing.assert_array_equal(cuda_backend.to_numpy(cu.norm_linear(xs, norm, 1e-6, w)),
+                                  cuda_backend.to_numpy(ops.linear(ops.rms_norm(xs, norm, 1e-6), w)))

@@ -15,7 +15,19 @@ from ds4_core.backend import Weight
 
 from .hc_ops import hc_post_pre_norm, hc_pre_norm
 from .modules import glue_kernel
-from .ops import MAX_GRID_Y, MOE_PAIR_LIMIT, linear, linears, moe_gate_up_launch, norm_rope, swiglu, values
+from .ops import (
+    MAX_GRID_Y,
+    MOE_PAIR_LIMIT,
+    gemv_launch,
+    linear,
+    linears,
+    moe_gate_up_launch,
+    norm_rope,
+    rms_norm,
+    swiglu,
+    use_int8,
+    values,
+)
 
 F32 = cp.float32
 
@@ -87,6 +99,20 @@ def compress_step(kv_row: Any, gate_row: Any, ape: Any, pos: Any, buf_kv: Any, b
     return rows
 
 
+def norm_linear(x: Any, norm: Weight, eps: float, w: Weight) -> Any:
+    """``linear(rms_norm(x, norm, eps), w)``, ``x [T, D]``. One token through an int8 GEMV: the norm's scale comes
+    from the block's own pass over ``x`` as it quantizes the activation, so the norm takes no launch of its own."""
+    x = cp.ascontiguousarray(x, dtype=F32)
+    if not (x.ndim == 2 and x.shape[0] == 1 and len(w.shape) == 2 and use_int8(None, w.qtype)
+            and x.shape[1] % 32 == 0):
+        return linear(rms_norm(x, norm, eps), w)
+    y = cp.empty((1, w.shape[0]), dtype=F32)
+    kernel, grid, block, args = gemv_launch(w.data, w.qtype, x.shape[1], x, 1, y,
+                                            norm=(cp.ascontiguousarray(values(norm), dtype=F32), eps))
+    kernel(grid, block, args)
+    return y
+
+
 def shared_expert(x: Any, gate: Weight, up: Weight, down: Weight, limit: float) -> Any:
     """``down(swiglu(gate x, up x))`` for ``x [T, D]``, as ``ds4_model_deepseek4``'s ``compose_shared_expert``: the
     gate and up projections and the SwiGLU in one launch (the routed experts' ``moe_gate_up`` kernel, with expert 0
@@ -144,6 +170,7 @@ DEEPSEEK4_OPS = {
     "shared_expert": shared_expert,
     "index_select": index_select,
     "linears": linears,
+    "norm_linear": norm_linear,
     "hc_pre_norm": hc_pre_norm,
     "hc_post_pre_norm": hc_post_pre_norm,
     "norm_rope": norm_rope,

@@ -112,7 +112,8 @@ def numerics() -> dict[str, str]:
             "float32 (unset DS4_CUDA_PREFILL: fp16/bf16 tensor cores)"}
 
 
-def _use_int8(int8: bool | None, qtype: str) -> bool:
+def use_int8(int8: bool | None, qtype: str) -> bool:
+    """Whether a one-token GEMV over ``qtype`` takes the int8 kernels (``int8`` None: :func:`int8_enabled`)."""
     return (int8_enabled() if int8 is None else int8) and qtype in INT8_TYPES
 
 
@@ -135,8 +136,8 @@ def _act_groups(rows_per_block: int, group_rows: int, groups: int) -> int:
 
 
 def gemv_launch(raw: Any, qtype: str, ncols: int, x: Any, ntok: int, y: Any, x_stride: int | None = None,
-                group_rows: int | None = None, *, int8: bool | None = None,
-                segments: tuple[Any, int] | None = None) -> tuple[Any, tuple[int, ...], tuple[int, ...], tuple]:
+                group_rows: int | None = None, *, int8: bool | None = None, segments: tuple[Any, int] | None = None,
+                norm: tuple[Any, float] | None = None) -> tuple[Any, tuple[int, ...], tuple[int, ...], tuple]:
     """(kernel, grid, block, args) of ``y[t, r] = W[r] . x[t]`` for ``t < ntok <= GEMV_TOKENS``.
 
     ``raw``: ``[R, row bytes]``; ``x``: float32 with token ``t`` at ``x[t * x_stride:]`` (default ``ncols``);
@@ -144,21 +145,26 @@ def gemv_launch(raw: Any, qtype: str, ncols: int, x: Any, ntok: int, y: Any, x_s
     activation ``x[t * x_stride + (r // group_rows) * ncols:]`` (a block-diagonal projection). ``int8`` (default
     :func:`int8_enabled`), one token and a format of :data:`~.modules.INT8_TYPES`: the ``__dp4a`` GEMV, which
     quantizes the activation into int8 blocks of 32 on the way in (``x`` 16-byte aligned). ``segments``: W's
-    ``R`` rows lie in several buffers of ``raw``'s row width, ``(table, R)`` from :func:`_segment_table`.
+    ``R`` rows lie in several buffers of ``raw``'s row width, ``(table, R)`` from :func:`_segment_table`. ``norm``
+    ``(weights, eps)``, the int8 GEMV of one activation only: ``x`` is RMSNormed with those weights on the way in.
     """
     nrows = raw.shape[0] if segments is None else segments[1]
     segs = (np.uint64(0), _i32(1)) if segments is None else (segments[0], _i32(segments[0].size // 2))
-    if ntok == 1 and _use_int8(int8, qtype):
+    if ntok == 1 and use_int8(int8, qtype):
         group_rows = nrows if group_rows is None else group_rows
         splits = _splits(qtype, nrows, ncols, _CHUNK_BLOCKS_I8[qtype], _WAVES_I8)
         rows_per_pass = WARPS_PER_BLOCK // splits * ROWS_PER_WARP
         blocks = -(-nrows // rows_per_pass)
         passes = _passes(blocks) if splits == 1 else 1
         groups = _act_groups(rows_per_pass * passes, group_rows, -(-nrows // group_rows))
+        if norm is not None and groups != 1:
+            raise ValueError("a GEMV that folds an RMSNorm in reads one activation, not a block-diagonal projection")
         args = (raw, _i64(raw.shape[1]), _i32(nrows), _i32(ncols), x, _i32(group_rows), y, _i32(splits),
-                _i32(passes), *segs)
+                _i32(passes), *segs, np.uint64(0) if norm is None else norm[0], F32(0 if norm is None else norm[1]))
         kernel = _activation_launch(quant_kernel("gemv1_i8", qtype), groups * ncols)
         return kernel, (-(-blocks // passes),), (32 * WARPS_PER_BLOCK,), args
+    if norm is not None:
+        raise ValueError("only the int8 GEMV of one token folds an RMSNorm in")
     splits = _splits(qtype, nrows, ncols)
     rows_per_block = WARPS_PER_BLOCK // splits * ROWS_PER_WARP
     kernel = quant_kernel("gemv1" if ntok == 1 else "gemv8", qtype)
@@ -177,7 +183,7 @@ def moe_gemv_launch(w: Weight, idx: Any, x: Any, x_div: int, y: Any, *,
     row_bytes = w.data.shape[1]
     grid = (-(-nrows // (WARPS_PER_BLOCK * ROWS_PER_WARP)), idx.shape[0])
     args = (w.data, _i64(nrows * row_bytes), _i64(row_bytes), _i32(nrows), _i32(ncols), idx, x, _i32(x_div), y)
-    if _use_int8(int8, w.qtype):
+    if use_int8(int8, w.qtype):
         return _activation_launch(quant_kernel("moe_gemv_i8", w.qtype), ncols), grid, (32 * WARPS_PER_BLOCK,), args
     return quant_kernel("moe_gemv", w.qtype), grid, (32 * WARPS_PER_BLOCK,), args
 
@@ -196,7 +202,7 @@ def moe_gate_up_launch(gate: Weight, up: Weight, idx: Any | None, x: Any, x_div:
     grid = (-(-nrows // (warps * ROWS_PER_WARP)), h.shape[0])
     args = (gate.data, up.data, _i64(nrows * row_bytes), _i64(row_bytes), _i32(nrows), _i32(ncols),
             np.uint64(0) if idx is None else idx, x, _i32(x_div), F32(limit), h)
-    if _use_int8(int8, gate.qtype):
+    if use_int8(int8, gate.qtype):
         return _activation_launch(quant_kernel("moe_gate_up_i8", gate.qtype), ncols), grid, (32 * warps,), args
     return quant_kernel("moe_gate_up", gate.qtype), grid, (32 * warps,), args
 

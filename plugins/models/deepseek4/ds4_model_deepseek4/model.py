@@ -113,6 +113,12 @@ def compose_linears(ops: Ops, x: Any, weights: tuple[Any, ...]) -> tuple[Any, ..
     return tuple(ops.linear(x, w) for w in weights)
 
 
+def compose_norm_linear(ops: Ops, x: Any, norm: Any, eps: float, w: Any) -> Any:
+    """RMSNorm (weight ``norm``), then the projection ``w``, from core ops: the definition of the op
+    ``norm_linear``."""
+    return ops.linear(ops.rms_norm(x, norm, eps), w)
+
+
 def compose_norm_rope(ops: Ops, x: Any, w: Any, eps: float, positions: Any, inv_freq: Any) -> Any:
     """RMSNorm (weight ``w`` or None), then RoPE at ``positions`` (one per token of ``x [T, ..., d]``), from core ops:
     the definition of the op ``norm_rope``."""
@@ -252,7 +258,7 @@ class Attention:
             return self.step(ops, x, pos, ls, index or StepIndex(ops.xp, pos, self.cfg.sliding_window))
         cfg, xp, T = self.cfg, ops.xp, x.shape[0]
         W = cfg.sliding_window
-        qr, q, kv = self._project(ops, x, pos)
+        q_low, q, kv = self._project(ops, x, pos)
 
         # Raw window: the last W-1 earlier rows from the ring, then the chunk; query i sees rows (i+n_prev-W, i+n_prev].
         n_prev = min(p0, W - 1)
@@ -270,7 +276,7 @@ class Attention:
             if self.indexer is not None:
                 index_rows = self.indexer.compressor(ops, x, pos, ls.indexer, p0, self.inv_freq, self.index_finish)
                 if rows.shape[0] > self.indexer.topk:
-                    iq = self.indexer.queries(ops, qr, pos, self.inv_freq, self.index_finish)
+                    iq = self.indexer.queries(ops, self._q_latent(ops, q_low), pos, self.inv_freq, self.index_finish)
                     sel = self.indexer.select(ops, iq, ops.linear(x, self.indexer.proj), index_rows, limit, offset)
             if sel is None:  # every complete row is visible
                 w = xp.arange(rows.shape[0])[None, :]
@@ -301,14 +307,17 @@ class Attention:
     def _step_queries(self, ops: Ops, x: Any, pos: Any, ls: LayerState, index: StepIndex) -> tuple[Any, Any]:
         """A step's queries and (CSA, else None) index queries; its raw row goes into the ring. All three need the
         query latent or the raw row and nothing else, so they may run concurrently."""
-        qr, kv = self._latents(ops, x)
+        q_low, kv = self._latents(ops, x)
 
         def put_raw() -> None:
             ls.raw[index.slot] = self._kv_rows(ops, kv, pos)
 
-        branches = [lambda: self._queries(ops, qr, pos), put_raw]  # longest first
+        def index_queries() -> Any:
+            return self.indexer.queries(ops, self._q_latent(ops, q_low), pos, self.inv_freq, self.index_finish)
+
+        branches = [lambda: self._queries(ops, q_low, pos), put_raw]  # longest first
         if self.indexer is not None:
-            branches.insert(1, lambda: self.indexer.queries(ops, qr, pos, self.inv_freq, self.index_finish))
+            branches.insert(1, index_queries)
         q, *rest = ops.concurrently(*branches)
         return q, rest[0] if self.indexer is not None else None
 
@@ -326,20 +335,26 @@ class Attention:
         return rows, index_rows, proj[4]
 
     def _project(self, ops: Ops, x: Any, pos: Any) -> tuple[Any, Any, Any]:
-        """(normalised query latent ``[T, q_lora]``, RoPE'd queries ``[T, H, hd]``, the K=V rows ``[T, hd]``)."""
-        qr, kv = self._latents(ops, x)
-        return qr, self._queries(ops, qr, pos), self._kv_rows(ops, kv, pos)
+        """(query latent before its norm ``[T, q_lora]``, RoPE'd queries ``[T, H, hd]``, the K=V rows ``[T, hd]``)."""
+        q_low, kv = self._latents(ops, x)
+        return q_low, self._queries(ops, q_low, pos), self._kv_rows(ops, kv, pos)
 
     def _latents(self, ops: Ops, x: Any) -> tuple[Any, Any]:
-        """(normalised query latent ``[T, q_lora]``, the K=V rows before their norm ``[T, hd]``)."""
-        q_low, kv = fused(ops, "linears", compose_linears)(x, (self.attn_q_a, self.attn_kv))
-        return ops.rms_norm(q_low, self.attn_q_a_norm, self.cfg.rms_norm_eps), kv
+        """(query latent ``[T, q_lora]``, the K=V rows ``[T, hd]``), both before their norms."""
+        return fused(ops, "linears", compose_linears)(x, (self.attn_q_a, self.attn_kv))
 
-    def _queries(self, ops: Ops, qr: Any, pos: Any) -> Any:
-        """RoPE'd queries ``[T, H, hd]`` of the latent ``qr``."""
+    def _q_latent(self, ops: Ops, q_low: Any) -> Any:
+        """The normalised query latent, which the indexer's queries read."""
+        return ops.rms_norm(q_low, self.attn_q_a_norm, self.cfg.rms_norm_eps)
+
+    def _queries(self, ops: Ops, q_low: Any, pos: Any) -> Any:
+        """RoPE'd queries ``[T, H, hd]`` of the query latent ``q_low`` (normalised on the way into ``attn_q_b``: a
+        backend may fold the norm into that projection)."""
         cfg = self.cfg
-        q = ops.linear(qr, self.attn_q_b).reshape(qr.shape[0], cfg.num_heads, cfg.head_dim)
-        return fused(ops, "norm_rope", compose_norm_rope)(q, None, cfg.rms_norm_eps, pos, self.inv_freq)
+        q = fused(ops, "norm_linear", compose_norm_linear)(q_low, self.attn_q_a_norm, cfg.rms_norm_eps,
+                                                            self.attn_q_b)
+        return fused(ops, "norm_rope", compose_norm_rope)(q.reshape(q_low.shape[0], cfg.num_heads, cfg.head_dim),
+                                                          None, cfg.rms_norm_eps, pos, self.inv_freq)
 
     def _kv_rows(self, ops: Ops, kv: Any, pos: Any) -> Any:
         """The K=V rows ``[T, hd]``: normalised, RoPE'd and (QAT) rounded."""

@@ -20,6 +20,7 @@ from .model import (
     compose_hc_pre_norm,
     compose_index_select,
     compose_linears,
+    compose_norm_linear,
     compose_norm_rope,
     compose_shared_expert,
 )
@@ -55,6 +56,12 @@ def linears(x: Any, weights: tuple[Any, ...]) -> tuple[Any, ...]:
     return compose_linears(_NUMPY_OPS, x, weights)
 
 
+def norm_linear(x: Any, norm: Any, eps: float, w: Any) -> Any:
+    """RMSNorm then a projection (:func:`.model.compose_norm_linear` over the core numpy ops), the reference of
+    backends that fold the norm into the projection's launch."""
+    return compose_norm_linear(_NUMPY_OPS, x, norm, eps, w)
+
+
 def hc_pre_norm(S: Any, fn: Any, scale: Any, base: Any, iters: int, eps: float, norm_eps: float,
                 norm: Any) -> tuple[Any, Any, Any]:
     """A sub-layer's normalised input from the streams (:func:`.model.compose_hc_pre_norm` over the core numpy ops),
@@ -83,6 +90,7 @@ DEEPSEEK4_OPS: dict[str, Callable] = {
     "shared_expert": shared_expert,
     "index_select": index_select,
     "linears": linears,
+    "norm_linear": norm_linear,
     "hc_pre_norm": hc_pre_norm,
     "hc_post_pre_norm": hc_post_pre_norm,
     "norm_rope": norm_rope,

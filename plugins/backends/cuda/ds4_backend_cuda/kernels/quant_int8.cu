@@ -14,11 +14,14 @@ struct I8Act {
     const signed char* q;
     const float2* s;
     const float* d;
+    float scale;  // what every dot product with the activation is multiplied by (an RMSNorm folded in, else 1)
 };
 
-// Columns 0 .. n - 1 of x (n a multiple of 32) quantized into shared memory at `smem` by all threads of the block:
-// a thread takes 8 columns, four neighbouring lanes a block of 32 (q = rint(x * 127 / max|x|)).
-__device__ __forceinline__ I8Act quantize_shared(const float* __restrict__ x, int n, u8* smem) {
+// Columns 0 .. n - 1 of x (n a multiple of 32), times the weights `norm` where it is not null, quantized into shared
+// memory at `smem` by all threads of the block: a thread takes 8 columns, four neighbouring lanes a block of 32
+// (q = rint(v * 127 / max|v|)). `ss` gets this thread's sum of x^2 over its columns (x before the weights).
+__device__ __forceinline__ I8Act quantize_shared(const float* __restrict__ x, int n, u8* smem,
+                                                 const float* __restrict__ norm, float& ss) {
     signed char* q = reinterpret_cast<signed char*>(smem);
     float2* s = reinterpret_cast<float2*>(smem + n);
     float* d = reinterpret_cast<float*>(smem + n + n / 4);
@@ -30,6 +33,13 @@ __device__ __forceinline__ I8Act quantize_shared(const float* __restrict__ x, in
         if (c < n) {
             a = reinterpret_cast<const float4*>(x + c)[0];
             b = reinterpret_cast<const float4*>(x + c)[1];
+            ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + b.x * b.x + b.y * b.y + b.z * b.z + b.w * b.w;
+            if (norm) {
+                const float4 wa = reinterpret_cast<const float4*>(norm + c)[0];
+                const float4 wb = reinterpret_cast<const float4*>(norm + c)[1];
+                a = make_float4(a.x * wa.x, a.y * wa.y, a.z * wa.z, a.w * wa.w);
+                b = make_float4(b.x * wb.x, b.y * wb.y, b.z * wb.z, b.w * wb.w);
+            }
         }
         float amax = fmaxf(fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w))),
                            fmaxf(fmaxf(fabsf(b.x), fabsf(b.y)), fmaxf(fabsf(b.z), fabsf(b.w))));
@@ -55,7 +65,7 @@ __device__ __forceinline__ I8Act quantize_shared(const float* __restrict__ x, in
             }
         }
     }
-    return {q, s, d};
+    return {q, s, d, 1.f};
 }
 
 __device__ __forceinline__ float half_at2(const u8* p) {  // p is 2-byte aligned
@@ -227,12 +237,26 @@ __device__ __forceinline__ void warp_dot_i8(Rows rows, int ngroups, int ncols, P
     }
 }
 
-// The int8 activation of a block: `groups` activations of ncols columns from x, after __syncthreads.
-__device__ __forceinline__ I8Act block_activation(const float* __restrict__ x, int ncols, int groups) {
+// The int8 activation of a block: `groups` activations of ncols columns from x, after __syncthreads. With `norm`
+// (one group), the activation is RMSNorm(x) * norm: x * norm is quantized and the scale rsqrt(mean(x^2) + eps), from
+// the block's sum of squares, rides on every dot product (they are linear in the activation).
+__device__ __forceinline__ I8Act block_activation(const float* __restrict__ x, int ncols, int groups,
+                                                  const float* __restrict__ norm = nullptr, float eps = 0.f) {
     extern __shared__ __align__(16) u8 act_smem[];
+    __shared__ float warp_ss[32];
     grid_wait();  // gemv_i8's first weight loads are in flight (pdl.cuh); x is the previous kernel's output
-    const I8Act act = quantize_shared(x, groups * ncols, act_smem);
+    float ss = 0.f;
+    I8Act act = quantize_shared(x, groups * ncols, act_smem, norm, ss);
+    if (norm) {
+        ss = warp_sum(ss);
+        if ((threadIdx.x & 31) == 0) warp_ss[threadIdx.x / 32] = ss;
+    }
     __syncthreads();
+    if (norm) {
+        float total = 0.f;
+        for (int w = 0; w < (int)(blockDim.x / 32); ++w) total += warp_ss[w];
+        act.scale = rsqrtf(total / (float)ncols + eps);
+    }
     return act;
 }
 
@@ -244,7 +268,8 @@ __device__ __forceinline__ I8Act block_activation(const float* __restrict__ x, i
 template <class Q>
 __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_i8(
         const u8* __restrict__ w, long long row_bytes, int nrows, int ncols, const float* __restrict__ x,
-        int group_rows, float* __restrict__ y, int KS, int P, const long long* __restrict__ segs, int nsegs) {
+        int group_rows, float* __restrict__ y, int KS, int P, const long long* __restrict__ segs, int nsegs,
+        const float* __restrict__ norm, float eps) {
     using D = WarpDot<I8<Q>, GEMV_ROWS, 1>;
     __shared__ uint4 stage[GEMV_WARPS][D::SLOTS];
     __shared__ float partial[GEMV_WARPS][GEMV_ROWS];
@@ -257,7 +282,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_i8(
     auto row0 = [&](int g) { return first + g * span + rg * GEMV_ROWS; };
     int ngroups = 0;
     while (ngroups < P && row0(ngroups) < nrows) ngroups++;
-    float acc[GEMV_ROWS] = {};
+    float acc[GEMV_ROWS] = {}, scale = 1.f;
     warp_dot_i8<Q, GEMV_ROWS, true>(
         [&](int g, const u8* (&row)[GEMV_ROWS]) {
             const int r0 = row0(g);
@@ -265,8 +290,13 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_i8(
             for (int j = 0; j < GEMV_ROWS; j++) row[j] = row_at(w, segs, nsegs, min(r0 + j, nrows - 1), row_bytes);
             return (r0 / group_rows - g0) * ncols;
         },
-        ngroups, ncols, [&] { return block_activation(x + (long long)g0 * ncols, ncols, g1 - g0 + 1); }, ks, KS,
-        stage[warp], table, acc,
+        ngroups, ncols,
+        [&] {
+            const I8Act act = block_activation(x + (long long)g0 * ncols, ncols, g1 - g0 + 1, norm, eps);
+            scale = act.scale;
+            return act;
+        },
+        ks, KS, stage[warp], table, acc,
         [&](int g) {
             const int r0 = row0(g);
 #pragma unroll
@@ -275,7 +305,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_i8(
                 acc[j] = 0.f;
                 if (lane == j) {
                     if (KS > 1) partial[warp][j] = s;
-                    else if (r0 + j < nrows) y[r0 + j] = s;
+                    else if (r0 + j < nrows) y[r0 + j] = s * scale;
                 }
             }
         });
@@ -285,7 +315,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_i8(
     if (ks == 0 && lane < GEMV_ROWS) {
         float s = 0.f;
         for (int i = 0; i < KS; i++) s += partial[warp + i][lane];
-        if (r0 + lane < nrows) y[r0 + lane] = s;
+        if (r0 + lane < nrows) y[r0 + lane] = s * scale;
     }
 }
 
