@@ -295,19 +295,21 @@ def test_hc_and_deepseek4_ops(cuda_backend, n, D, rng):
     y = rng.standard_normal((T, D), dtype=np.float32)
     np.testing.assert_allclose(host(hc.hc_post(xp(S), xp(y), got[1], got[2])),
                                ops_hc.hc_post(S, y, want[1], want[2]), rtol=1e-4, atol=1e-5)
-    # hc_post then hc_pre_norm, the expansion and the next mix in one launch for n = 4 with slices: bit for bit the
-    # two CUDA ops (the same arithmetic), and the numpy reference on the same post and comb
+    # hc_post of the outputs' sum then hc_pre_norm, the sum, the expansion and the next mix in one launch for n = 4
+    # with slices: bit for bit the CUDA ops one after the other (the same arithmetic), and the numpy reference on the
+    # same post and comb; one output (attention's) and two (a MoE's routed and shared experts)
     ffn = [_pair(cuda_backend, "F16", ((2 + n) * n, n * D), rng), _pair(cuda_backend, "F32", (3,), rng),
            _pair(cuda_backend, "F32", ((2 + n) * n,), rng), _pair(cuda_backend, "F32", (D,), rng)]
     (fn2_ref, fn2), (sc2_ref, sc2), (base2_ref, base2), (norm2_ref, norm2) = ffn
-    both = cu.hc_post_pre_norm(xp(S), xp(y), got[1], got[2], fn2, sc2, base2, 20, 1e-6, 1e-6, norm2)
-    S2 = hc.hc_post(xp(S), xp(y), got[1], got[2])
-    for g, w in zip(both, (S2, *cu.hc_pre_norm(S2, fn2, sc2, base2, 20, 1e-6, 1e-6, norm2)), strict=True):
-        np.testing.assert_array_equal(host(g), host(w))
-    want_both = dref.hc_post_pre_norm(S, y, host(got[1]), host(got[2]), fn2_ref, sc2_ref, base2_ref, 20, 1e-6, 1e-6,
-                                      norm2_ref)
-    for g, w in zip(both, want_both, strict=True):
-        np.testing.assert_allclose(host(g), w, rtol=1e-4, atol=1e-5)
+    for ys in ((y,), (y, rng.standard_normal((T, D), dtype=np.float32))):
+        both = cu.hc_post_pre_norm(xp(S), tuple(map(xp, ys)), got[1], got[2], fn2, sc2, base2, 20, 1e-6, 1e-6, norm2)
+        S2 = hc.hc_post(xp(S), sum(map(xp, ys[1:]), xp(ys[0])), got[1], got[2])
+        for g, w in zip(both, (S2, *cu.hc_pre_norm(S2, fn2, sc2, base2, 20, 1e-6, 1e-6, norm2)), strict=True):
+            np.testing.assert_array_equal(host(g), host(w))
+        want_both = dref.hc_post_pre_norm(S, ys, host(got[1]), host(got[2]), fn2_ref, sc2_ref, base2_ref, 20, 1e-6,
+                                          1e-6, norm2_ref)
+        for g, w in zip(both, want_both, strict=True):
+            np.testing.assert_allclose(host(g), w, rtol=1e-4, atol=1e-5)
     hfn_ref, hfn = _pair(cuda_backend, "F16", (n, n * D), rng)
     hs_ref, hs = _pair(cuda_backend, "F32", (1,), rng)
     hb_ref, hb = _pair(cuda_backend, "F32", (n,), rng)

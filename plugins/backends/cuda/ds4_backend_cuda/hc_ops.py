@@ -5,6 +5,8 @@ Shared by DeepSeek V4 and GLM 5.3 Flash. ``S [T, n, D]`` is the residual state o
 
 from __future__ import annotations
 
+import functools
+import operator
 from typing import Any
 
 import cupy as cp
@@ -114,23 +116,25 @@ def hc_pre_norm(S: Any, fn: Weight, scale: Weight, base: Weight, iters: int, eps
     return _split_norm(S, slices, part, scale, base, iters, eps, norm_eps, norm)
 
 
-def hc_post_pre_norm(S: Any, y: Any, post: Any, comb: Any, fn: Weight, scale: Weight, base: Weight, iters: int,
-                     eps: float, norm_eps: float, norm: Weight) -> tuple[Any, Any, Any, Any]:
-    """:func:`hc_post`, then :func:`hc_pre_norm` of its streams -> (streams, normalised input, post, comb): a decode
-    step's few tokens of four streams take one launch for the expansion and the next mix (``hc_expand_mix``), one
-    for the rest."""
+def hc_post_pre_norm(S: Any, ys: tuple[Any, ...], post: Any, comb: Any, fn: Weight, scale: Weight, base: Weight,
+                     iters: int, eps: float, norm_eps: float, norm: Weight) -> tuple[Any, Any, Any, Any]:
+    """:func:`hc_post` of the sum of the sub-layer's outputs ``ys``, then :func:`hc_pre_norm` of its streams ->
+    (streams, normalised input, post, comb): a decode step's few tokens of four streams take one launch for the sum
+    (of up to two outputs: a MoE's routed and shared experts), the expansion and the next mix (``hc_expand_mix``),
+    one for the rest."""
     T, n, D = S.shape
-    if not _split_norm_fits(T, n, D):
-        S = hc_post(S, y, post, comb)
+    if not _split_norm_fits(T, n, D) or len(ys) > 2:
+        S = hc_post(S, functools.reduce(operator.add, ys), post, comb)
         return (S, *hc_pre_norm(S, fn, scale, base, iters, eps, norm_eps, norm))
     S = cp.ascontiguousarray(S, dtype=F32)
     out, M = cp.empty_like(S), (2 + n) * n
     slices = n * D // MIX_SLICE
     part = cp.empty((T, M + 1, slices), F32)
+    y2 = cp.ascontiguousarray(ys[1], dtype=F32) if len(ys) == 2 else np.uint64(0)
     quant_kernel("hc_expand_mix", fn.qtype)((slices, T), (256,), (
-        fn.data, np.int64(fn.data.shape[1]), np.int32(M), S, cp.ascontiguousarray(y, dtype=F32),
-        cp.ascontiguousarray(post, dtype=F32), cp.ascontiguousarray(comb, dtype=F32), np.int32(n), np.int32(D), out,
-        part))
+        fn.data, np.int64(fn.data.shape[1]), np.int32(M), S, cp.ascontiguousarray(ys[0], dtype=F32), y2,
+        cp.ascontiguousarray(post, dtype=F32),
+        cp.ascontiguousarray(comb, dtype=F32), np.int32(n), np.int32(D), out, part))
     return (out, *_split_norm(out, slices, part, scale, base, iters, eps, norm_eps, norm))
 
 

@@ -13,6 +13,7 @@ it once as a graph and replay it per token (``ds4_core.decode_graph``).
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -392,14 +393,14 @@ class MoE:
         self.ffn_up_shexp = w.get(f"{blk}.ffn_up_shexp.weight", (F, D), MATMUL)
         self.ffn_down_shexp = w.get(f"{blk}.ffn_down_shexp.weight", (D, F), MATMUL)
 
-    def __call__(self, ops: Ops, x: Any, ids: Any) -> Any:
-        """``x [T, D]``, token ids ``[T]`` -> ``[T, D]``."""
+    def __call__(self, ops: Ops, x: Any, ids: Any) -> tuple[Any, Any]:
+        """``x [T, D]``, token ids ``[T]`` -> (routed experts' output, shared expert's output), ``[T, D]`` each: the
+        MoE's output is their sum, which the caller's ``hc_post_pre_norm`` takes in its expansion."""
         fixed = None if self.ffn_gate_tid2eid is None else self.ffn_gate_tid2eid[ids]
         shared = fused(ops, "shared_expert", compose_shared_expert)
-        routed, common = ops.concurrently(
+        return ops.concurrently(
             lambda: self._routed(ops, x, fixed),
             lambda: shared(x, self.ffn_gate_shexp, self.ffn_up_shexp, self.ffn_down_shexp, self.limit))
-        return routed + common
 
     def _routed(self, ops: Ops, x: Any, fixed: Any) -> Any:
         idx, weights = ops.moe_route(ops.linear(x, self.ffn_gate_inp), self.exp_probs_b, self.k, self.scale, fixed)
@@ -422,12 +423,18 @@ def compose_hc_pre_norm(ops: Ops, S: Any, fn: Any, scale: Any, base: Any, iters:
     return ops.rms_norm(c, norm, norm_eps), post, comb
 
 
-def compose_hc_post_pre_norm(ops: Ops, S: Any, y: Any, post: Any, comb: Any, fn: Any, scale: Any, base: Any,
-                             iters: int, eps: float, norm_eps: float, norm: Any) -> tuple[Any, Any, Any, Any]:
+def total(ys: tuple[Any, ...]) -> Any:
+    """The sum of a sub-layer's outputs ``ys`` (the MoE's routed and shared experts, or attention's one), in order."""
+    return functools.reduce(operator.add, ys)
+
+
+def compose_hc_post_pre_norm(ops: Ops, S: Any, ys: tuple[Any, ...], post: Any, comb: Any, fn: Any, scale: Any,
+                             base: Any, iters: int, eps: float, norm_eps: float,
+                             norm: Any) -> tuple[Any, Any, Any, Any]:
     """One sub-layer's output into the streams and the next one's input, the definition of the op
-    ``hc_post_pre_norm``: ``hc_post(S, y, post, comb)``, then ``hc_pre_norm`` of those streams -> (streams, the
-    normalised input ``[T, D]``, post, comb)."""
-    S = ops.hc_post(S, y, post, comb)
+    ``hc_post_pre_norm``: ``hc_post(S, total(ys), post, comb)`` (``ys`` the sub-layer's outputs ``[T, D]``, summed),
+    then ``hc_pre_norm`` of those streams -> (streams, the normalised input ``[T, D]``, post, comb)."""
+    S = ops.hc_post(S, total(ys), post, comb)
     return (S, *fused(ops, "hc_pre_norm", compose_hc_pre_norm)(S, fn, scale, base, iters, eps, norm_eps, norm))
 
 
@@ -450,13 +457,13 @@ class Block:
                  index: StepIndex | None = None) -> Any:
         """Streams ``S [T, n, D]`` -> ``[T, n, D]`` (``p0 = None``: one token at the device position ``pos``, with
         the step's shared ``index``)."""
-        S, pending = self.layer(ops, S, None, ids, pos, ls, p0, index)
-        return ops.hc_post(S, *pending)
+        S, (ys, post, comb) = self.layer(ops, S, None, ids, pos, ls, p0, index)
+        return ops.hc_post(S, total(ys), post, comb)
 
     def layer(self, ops: Ops, S: Any, pending: tuple[Any, Any, Any] | None, ids: Any, pos: Any, ls: LayerState,
               p0: int | None, index: StepIndex | None = None) -> tuple[Any, tuple[Any, Any, Any]]:
         """The layer with its last ``hc_post`` left to the caller, so that it can go with the next layer's
-        ``hc_pre_norm`` (``hc_post_pre_norm``, one op): ``pending`` is the previous layer's (MoE output, post, comb)
+        ``hc_pre_norm`` (``hc_post_pre_norm``, one op): ``pending`` is the previous layer's (MoE outputs, post, comb)
         still to add to ``S``, or None; returns the streams and this layer's pending triple."""
         cfg = self.cfg
         hc = (cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
@@ -466,7 +473,7 @@ class Block:
             x, post, comb = fused(ops, "hc_pre_norm", compose_hc_pre_norm)(S, *attn)
         else:
             S, x, post, comb = post_pre(S, *pending, *attn)
-        S, x, post, comb = post_pre(S, self.attn(ops, x, pos, ls, p0, index), post, comb, self.hc_ffn_fn,
+        S, x, post, comb = post_pre(S, (self.attn(ops, x, pos, ls, p0, index),), post, comb, self.hc_ffn_fn,
                                     self.hc_ffn_scale, self.hc_ffn_base, *hc, self.ffn_norm)
         return S, (self.ffn(ops, x, ids), post, comb)
 
@@ -538,7 +545,8 @@ class DeepSeekV4Model:
         for block, ls in zip(self.blocks, state.layers, strict=True):
             S, pending = block.layer(ops, S, pending, ids, pos, ls, p0, index)
         if pending is not None:
-            S = ops.hc_post(S, *pending)
+            ys, post, comb = pending
+            S = ops.hc_post(S, total(ys), post, comb)
         h = ops.hc_head(S[-1:] if last_row else S, self.output_hc_fn, self.output_hc_scale, self.output_hc_base,
                         cfg.hc_eps, cfg.rms_norm_eps)
         return ops.linear(ops.rms_norm(h, self.output_norm, cfg.rms_norm_eps), self.output), S

@@ -69,12 +69,12 @@ def hc_pre_norm(S: Any, fn: Any, scale: Any, base: Any, iters: int, eps: float, 
     return compose_hc_pre_norm(_NUMPY_OPS, S, fn, scale, base, iters, eps, norm_eps, norm)
 
 
-def hc_post_pre_norm(S: Any, y: Any, post: Any, comb: Any, fn: Any, scale: Any, base: Any, iters: int, eps: float,
-                     norm_eps: float, norm: Any) -> tuple[Any, Any, Any, Any]:
-    """A sub-layer's output into the streams, then the next one's normalised input
-    (:func:`.model.compose_hc_post_pre_norm` over the core numpy ops), the reference of backends that expand the
-    streams and start the next mix in one launch."""
-    return compose_hc_post_pre_norm(_NUMPY_OPS, S, y, post, comb, fn, scale, base, iters, eps, norm_eps, norm)
+def hc_post_pre_norm(S: Any, ys: tuple[Any, ...], post: Any, comb: Any, fn: Any, scale: Any, base: Any, iters: int,
+                     eps: float, norm_eps: float, norm: Any) -> tuple[Any, Any, Any, Any]:
+    """A sub-layer's outputs (summed) into the streams, then the next one's normalised input
+    (:func:`.model.compose_hc_post_pre_norm` over the core numpy ops), the reference of backends that add the
+    outputs, expand the streams and start the next mix in one launch."""
+    return compose_hc_post_pre_norm(_NUMPY_OPS, S, ys, post, comb, fn, scale, base, iters, eps, norm_eps, norm)
 
 
 def norm_rope(x: Any, w: Any, eps: float, positions: Any, inv_freq: Any) -> Any:

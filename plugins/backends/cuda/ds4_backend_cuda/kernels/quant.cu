@@ -595,12 +595,13 @@ __global__ void __launch_bounds__(256) mix_slices(const u8* __restrict__ fn, lon
 // hc_expand (kernels/hc.cu, same arithmetic) of a slice's columns, then mix_slices of the expanded streams: one
 // sub-layer's output spread over the streams and the next sub-layer's mix in one launch. out[t, k, d] =
 // post[t, k] · y[t, d] + sum_i comb[t, i, k] · S[t, i, d] for n streams of D columns (D a multiple of 256, so a slice
-// lies in one stream); the first warp writes the slice to out, all warps mix it.
+// lies in one stream), where y is y + y2 when y2 is not null (a MoE's two outputs, added as a separate sum would);
+// the first warp writes the slice to out, all warps mix it.
 template <class Q>
 __global__ void __launch_bounds__(256) hc_expand_mix(
         const u8* __restrict__ fn, long long row_bytes, int M, const float* __restrict__ S,
-        const float* __restrict__ y, const float* __restrict__ post, const float* __restrict__ comb, int n, int D,
-        float* __restrict__ out, float* __restrict__ part) {
+        const float* __restrict__ y, const float* __restrict__ y2, const float* __restrict__ post,
+        const float* __restrict__ comb, int n, int D, float* __restrict__ out, float* __restrict__ part) {
     grid_wait();
     const int c = 256 * blockIdx.x + 8 * (threadIdx.x & 31), k = c / D, d = c % D;
     const long long t = blockIdx.y;
@@ -617,7 +618,14 @@ __global__ void __launch_bounds__(256) hc_expand_mix(
     const float pk = post[t * n + k];
     const float4* yv = reinterpret_cast<const float4*>(y + t * D + d);
     const float4 ya = yv[0], yb = yv[1];
-    const float y8[8] = {ya.x, ya.y, ya.z, ya.w, yb.x, yb.y, yb.z, yb.w};
+    float y8[8] = {ya.x, ya.y, ya.z, ya.w, yb.x, yb.y, yb.z, yb.w};
+    if (y2) {
+        const float4* zv = reinterpret_cast<const float4*>(y2 + t * D + d);
+        const float4 za = zv[0], zb = zv[1];
+        const float z8[8] = {za.x, za.y, za.z, za.w, zb.x, zb.y, zb.z, zb.w};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) y8[j] = __fadd_rn(y8[j], z8[j]);  // no contraction into the fmaf below
+    }
 #pragma unroll
     for (int j = 0; j < 8; ++j) v[j] = fmaf(pk, y8[j], v[j]);
     const float4 xa = make_float4(v[0], v[1], v[2], v[3]), xb = make_float4(v[4], v[5], v[6], v[7]);
