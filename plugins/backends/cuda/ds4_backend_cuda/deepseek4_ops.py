@@ -24,6 +24,7 @@ from .ops import (
     moe_gate_up_launch,
     norm_rope,
     rms_norm,
+    sparse_attention_unrope,
     swiglu,
     use_int8,
     values,
@@ -174,4 +175,5 @@ DEEPSEEK4_OPS = {
     "hc_pre_norm": hc_pre_norm,
     "hc_post_pre_norm": hc_post_pre_norm,
     "norm_rope": norm_rope,
+    "sparse_attention_unrope": sparse_attention_unrope,
 }

@@ -464,17 +464,8 @@ def sparse_attention(q: Any, kv: Any, idx: Any, sinks: Weight | None, scale: flo
     T, H, d = q.shape
     K = idx.shape[1]
     sink = np.uint64(0) if sinks is None else cp.ascontiguousarray(values(sinks), dtype=F32)
-    if 0 < T <= GEMV_TOKENS and K > 0 and d % 4 == 0 and d <= _ATTEND_MAX_D:
-        q, kv = cp.ascontiguousarray(q, dtype=F32), cp.ascontiguousarray(kv, dtype=F32)
-        idx = cp.ascontiguousarray(idx, dtype=cp.int32)
-        tiles = -(-K // _ATTEND_ROWS)
-        part, stats = cp.empty((T, H, tiles, d), dtype=F32), cp.empty((T, H, tiles, 2), dtype=F32)
-        out = cp.empty((T, H, d), dtype=F32)
-        glue_kernel("attend_rows")((tiles, -(-H // _ATTEND_HEADS), T), (32 * _ATTEND_HEADS,), (
-            q, kv, idx, _i32(H), _i32(K), _i32(d), F32(scale), part, stats), shared_mem=4 * _ATTEND_HEADS * d)
-        glue_kernel("attend_merge")((-(-d // 128), H, T), (128,), (
-            part, stats, sink, _i32(H), _i32(tiles), _i32(d), out), shared_mem=4 * tiles)
-        return out
+    if _attends_rows(q, idx):
+        return _attend_rows(q, kv, idx, sink, scale, (np.uint64(0), np.uint64(0), _i32(0)))
     q = cp.ascontiguousarray(q, dtype=F32)
     idx = cp.ascontiguousarray(idx, dtype=cp.int32)
     kv = cp.ascontiguousarray(kv, dtype=F32)
@@ -488,6 +479,42 @@ def sparse_attention(q: Any, kv: Any, idx: Any, sinks: Weight | None, scale: flo
                 p, idx[t0:t1], sink, _i32(H), _i32(K), _i64((t1 - t0) * H), F32(scale)))
         out[t0:t1] = per_token_products(p, rows, False, tensor_core_prefill())
     return out
+
+
+def _attends_rows(q: Any, idx: Any) -> bool:
+    """Whether the queries ``q [T, H, d]`` over ``idx [T, K]`` take the few-token kernels (attend_rows, merge)."""
+    T, _, d = q.shape
+    return 0 < T <= GEMV_TOKENS and idx.shape[1] > 0 and d % 4 == 0 and d <= _ATTEND_MAX_D
+
+
+def _attend_rows(q: Any, kv: Any, idx: Any, sink: Any, scale: float, unrope: tuple) -> Any:
+    """The few-token attention in two launches; ``unrope`` (positions, inv_freq, half) rotates the output back in
+    the merge (null pointers and 0: not)."""
+    T, H, d = q.shape
+    K = idx.shape[1]
+    q, kv = cp.ascontiguousarray(q, dtype=F32), cp.ascontiguousarray(kv, dtype=F32)
+    idx = cp.ascontiguousarray(idx, dtype=cp.int32)
+    tiles = -(-K // _ATTEND_ROWS)
+    part, stats = cp.empty((T, H, tiles, d), dtype=F32), cp.empty((T, H, tiles, 2), dtype=F32)
+    out = cp.empty((T, H, d), dtype=F32)
+    glue_kernel("attend_rows")((tiles, -(-H // _ATTEND_HEADS), T), (32 * _ATTEND_HEADS,), (
+        q, kv, idx, _i32(H), _i32(K), _i32(d), F32(scale), part, stats), shared_mem=4 * _ATTEND_HEADS * d)
+    glue_kernel("attend_merge")((-(-d // 128), H, T), (128,), (
+        part, stats, sink, _i32(H), _i32(tiles), _i32(d), out, *unrope), shared_mem=4 * tiles)
+    return out
+
+
+def sparse_attention_unrope(q: Any, kv: Any, idx: Any, sinks: Weight | None, scale: float, positions: Any,
+                            inv_freq: Any) -> Any:
+    """:func:`sparse_attention`, then :func:`rope` with ``inverse``: a decode step's few tokens take the rotation in
+    the attention's merge launch."""
+    half = inv_freq.shape[0]
+    if not (_attends_rows(q, idx) and 2 * half <= q.shape[2] and positions.size == q.shape[0]):
+        return rope(sparse_attention(q, kv, idx, sinks, scale), positions, inv_freq, inverse=True)
+    sink = np.uint64(0) if sinks is None else cp.ascontiguousarray(values(sinks), dtype=F32)
+    unrope = (cp.ascontiguousarray(positions, dtype=cp.int32).reshape(-1), cp.ascontiguousarray(inv_freq, dtype=F32),
+              _i32(half))
+    return _attend_rows(q, kv, idx, sink, scale, unrope)
 
 
 #: Most heads and the keys of one block of ``indexer_scores_rows`` (SCORE_HEADS, SCORE_KEYS in ``kernels/rows.cu``).

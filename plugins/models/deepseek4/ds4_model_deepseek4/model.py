@@ -126,6 +126,13 @@ def compose_norm_rope(ops: Ops, x: Any, w: Any, eps: float, positions: Any, inv_
     return ops.rope(ops.rms_norm(x, w, eps), positions, inv_freq)
 
 
+def compose_sparse_attention_unrope(ops: Ops, q: Any, kv: Any, idx: Any, sinks: Any, scale: float, positions: Any,
+                                    inv_freq: Any) -> Any:
+    """Sparse attention, then its output rotated back by the inverse RoPE at ``positions`` (the keys' rotation,
+    which the values carry), from core ops: the definition of the op ``sparse_attention_unrope``."""
+    return ops.rope(ops.sparse_attention(q, kv, idx, sinks, scale), positions, inv_freq, inverse=True)
+
+
 def compose_compress_step(ops: Ops, kv_row: Any, gate_row: Any, ape: Any, pos: Any, buf_kv: Any, buf_gate: Any,
                           prev_kv: Any, prev_gate: Any, rows: Any, norm: Any, eps: float, inv_freq: Any,
                           finish: RowHook | None = None) -> Any:
@@ -367,8 +374,8 @@ class Attention:
         """Sparse attention of ``q [T, H, hd]`` over the rows ``keys [N, hd]`` at the indices ``idx [T, K]``, then
         the inverse RoPE and the grouped output projection -> ``[T, D]``."""
         cfg, T = self.cfg, q.shape[0]
-        o = ops.sparse_attention(q, keys, idx, self.attn_sinks, cfg.head_dim ** -0.5)
-        o = ops.rope(o, pos, self.inv_freq, inverse=True)
+        o = fused(ops, "sparse_attention_unrope", compose_sparse_attention_unrope)(
+            q, keys, idx, self.attn_sinks, cfg.head_dim ** -0.5, pos, self.inv_freq)
         low = ops.grouped_linear(o.reshape(T, cfg.o_groups, -1), self.attn_output_a)
         return ops.linear(low.reshape(T, -1), self.attn_output_b)
 

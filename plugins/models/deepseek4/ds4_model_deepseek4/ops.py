@@ -1,5 +1,6 @@
 """DeepSeek-V4-only ops (numpy references): the QAT roundings of spec §10, the fused compressor step, shared
-expert, indexer selection, projections of one input, a sub-layer's normalised input and RMSNorm with RoPE.
+expert, indexer selection, projections of one input, a sub-layer's normalised input, RMSNorm with RoPE and sparse
+attention with the inverse RoPE.
 
 Registered for backend ``"numpy"`` through ``register_kernels`` (names in :mod:`.opnames`). The
 hyper-connection and compressor-pool ops the graph also uses are core ops (:mod:`ds4_core.ops_hc`).
@@ -23,6 +24,7 @@ from .model import (
     compose_norm_linear,
     compose_norm_rope,
     compose_shared_expert,
+    compose_sparse_attention_unrope,
 )
 from .qat import fp4_hadamard_round, fp8_kv_round
 
@@ -83,6 +85,13 @@ def norm_rope(x: Any, w: Any, eps: float, positions: Any, inv_freq: Any) -> Any:
     return compose_norm_rope(_NUMPY_OPS, x, w, eps, positions, inv_freq)
 
 
+def sparse_attention_unrope(q: Any, kv: Any, idx: Any, sinks: Any, scale: float, positions: Any,
+                            inv_freq: Any) -> Any:
+    """Sparse attention, then the inverse RoPE (:func:`.model.compose_sparse_attention_unrope` over the core numpy
+    ops), the reference of backends that rotate the output back in the attention's last launch."""
+    return compose_sparse_attention_unrope(_NUMPY_OPS, q, kv, idx, sinks, scale, positions, inv_freq)
+
+
 DEEPSEEK4_OPS: dict[str, Callable] = {
     "fp8_kv_round": fp8_kv_round,
     "fp4_hadamard_round": fp4_hadamard_round,
@@ -94,4 +103,5 @@ DEEPSEEK4_OPS: dict[str, Callable] = {
     "hc_pre_norm": hc_pre_norm,
     "hc_post_pre_norm": hc_post_pre_norm,
     "norm_rope": norm_rope,
+    "sparse_attention_unrope": sparse_attention_unrope,
 }

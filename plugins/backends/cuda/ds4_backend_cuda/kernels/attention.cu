@@ -145,10 +145,13 @@ __device__ __forceinline__ float block_reduce(float v, float* scratch, Combine c
 // out[t, h, c] = sum over tiles of exp(peak - P) · part[t, h, tile, c] / (sum of exp(peak - P) · sum, plus
 // exp(sink_h - P)), with P the largest peak or sink (0 for a fully masked row without a sink, whose output is then
 // 0 / 0 as in the array form). The block's threads first share out the tiles' weights (one round trip for the
-// statistics instead of one per tile). grid (ceil(d / blockDim.x), H, T), dynamic shared memory tiles floats.
+// statistics instead of one per tile). With pos not null, the output's trailing 2·half channels are then rotated
+// back by pos[t] · inv_freq as rope_rows does with inverse set (a pair's channels are neighbouring lanes). grid
+// (ceil(d / blockDim.x), H, T), blockDim.x a multiple of 32, dynamic shared memory tiles floats.
 extern "C" __global__ void attend_merge(const float* __restrict__ part, const float2* __restrict__ stats,
                                         const float* __restrict__ sinks, int H, int tiles, int d,
-                                        float* __restrict__ out) {
+                                        float* __restrict__ out, const int* __restrict__ pos,
+                                        const float* __restrict__ inv_freq, int half) {
     grid_wait();
     extern __shared__ float weight[];
     __shared__ float scratch[32];
@@ -166,12 +169,24 @@ extern "C" __global__ void attend_merge(const float* __restrict__ part, const fl
         den = fmaf(w, st[i].y, den);
     }
     den = block_reduce(den, scratch, [](float a, float b) { return a + b; }) + (sinks ? expf(sinks[h] - peak) : 0.f);
-    if (c >= d) return;
-    const float* pt = part + th * tiles * d + c;
     float num = 0.f;
+    if (c < d) {
+        const float* pt = part + th * tiles * d + c;
 #pragma unroll 8
-    for (int i = 0; i < tiles; ++i) num = fmaf(weight[i], pt[(size_t)i * d], num);
-    out[th * d + c] = num / den;
+        for (int i = 0; i < tiles; ++i) num = fmaf(weight[i], pt[(size_t)i * d], num);
+    }
+    float o = num / den;
+    const int j = c - (d - 2 * half);
+    const float partner = __shfl_xor_sync(0xffffffffu, o, 1);  // every lane, before any leaves
+    if (c >= d) return;
+    if (pos && j >= 0) {
+        float s, co;
+        sincosf((float)pos[blockIdx.z] * inv_freq[j >> 1], &s, &co);
+        s = -s;
+        const float a = (j & 1) ? partner : o, b = (j & 1) ? o : partner;
+        o = (j & 1) ? a * s + b * co : a * co - b * s;
+    }
+    out[th * d + c] = o;
 }
 
 // Softmax statistics of a row l [K] in one warp, given each lane's maximum over its elements: the peak (the row's
