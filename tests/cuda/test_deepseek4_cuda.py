@@ -277,7 +277,8 @@ def test_each_index_select_kernel_chooses_the_references_rows(cuda_backend, monk
     """Each kernel behind ``index_select`` (the rank count and the radix select, pinned in turn) gives exactly the
     numpy reference's rows and order: R a power of two or not (3000), up to 16384 with k = 512 and the radix
     kernel's largest k (1024); scores from a few values (exact ties across the k-th place, -0 beside +0, -inf), all
-    equal, or distinct; per-row limits of R, fewer than k and no complete row; offsets 0 and 128."""
+    equal, or distinct; per-row limits of R, fewer than k and no complete row; offsets 0 and 128, and 128 after a
+    prefix of 128 rows (a decode step's window), which each output row starts with."""
     from ds4_backend_cuda import deepseek4_ops as cu
     from ds4_model_deepseek4.ops import index_select
 
@@ -288,10 +289,13 @@ def test_each_index_select_kernel_chooses_the_references_rows(cuda_backend, monk
         limit = np.array([R, min(R, k - 3), 0, *rng.integers(0, R + 1, max(T - 3, 0))][:T], np.int32)
         for kind, scores in (("few", rng.choice(few, (T, R))), ("equal", np.zeros((T, R), np.float32)),
                              ("distinct", rng.standard_normal((T, R), dtype=np.float32))):
-            for offset in (0, 128):
-                got = cu.index_select(cuda_backend.asarray(scores), cuda_backend.asarray(limit), k, offset)
-                np.testing.assert_array_equal(cuda_backend.to_numpy(got), index_select(scores, limit, k, offset),
-                                              err_msg=f"{kernel} T={T} R={R} k={k} {kind} offset={offset}")
+            for offset, prefix in ((0, None), (128, None), (128, np.arange(128, dtype=np.int32) - 1)):
+                got = cu.index_select(cuda_backend.asarray(scores), cuda_backend.asarray(limit), k, offset,
+                                      None if prefix is None else cuda_backend.asarray(prefix))
+                np.testing.assert_array_equal(cuda_backend.to_numpy(got),
+                                              index_select(scores, limit, k, offset, prefix),
+                                              err_msg=f"{kernel} T={T} R={R} k={k} {kind} offset={offset} "
+                                                      f"prefix={prefix is not None}")
 
 
 def test_radix_index_select_replays_in_a_cuda_graph(cuda_backend):

@@ -92,3 +92,14 @@ def test_index_select_of_a_decode_step_sized_row():
     want = by_sorting(scores, limit, 64, 128)
     np.testing.assert_array_equal(index_select(scores, limit, 64, 128), want)
     np.testing.assert_array_equal(kernel_emulation(scores, limit, 64, 128, entries=32, slices=8, tile=1024), want)
+
+
+def test_index_select_after_a_prefix():
+    """With a prefix (a decode step's window rows), each row is that prefix, then the choice without it."""
+    scores = RNG.standard_normal((3, 50)).astype(np.float32)
+    limit = np.array([50, 7, 0], np.int32)
+    prefix = np.array([-1, 4, 0, 3], np.int32)
+    got = index_select(scores, limit, 16, 4, prefix)
+    assert got.dtype == np.int32 and got.shape == (3, 4 + 16)
+    np.testing.assert_array_equal(got[:, :4], np.broadcast_to(prefix, (3, 4)))
+    np.testing.assert_array_equal(got[:, 4:], by_sorting(scores, limit, 16, 4))

@@ -142,25 +142,31 @@ def _select_kernel(T: int, n: int, k: int) -> str:
     return "index_select_radix" if k <= _RADIX_THREADS and (T > 1 or n > _RANK_COUNT_MAX_ROWS) else "index_select"
 
 
-def index_select(scores: Any, limit: Any, k: int, offset: int) -> Any:
+def index_select(scores: Any, limit: Any, k: int, offset: int, prefix: Any = None) -> Any:
     """The indexer's top-``k`` complete rows (``w < limit[t]``) of ``scores [T, R]`` plus ``offset``, ranked as
-    ``topk`` ranks them, ``-1`` where fewer are complete -> int32 ``[T, min(k, R)]``; ``ds4_model_deepseek4``'s
-    ``compose_index_select`` in one launch (``kernels/select.cu``: a radix select, O(R) per row, or for a short single
-    row or ``k`` over 1024 the rank count, O(limit^2)), without host synchronisation. ``limit [T]`` is a device int
-    array."""
+    ``topk`` ranks them, ``-1`` where fewer are complete -> int32 ``[T, min(k, R)]``, each row after ``prefix [P]``
+    when given (``[T, P + min(k, R)]``); ``ds4_model_deepseek4``'s ``compose_index_select`` in one launch
+    (``kernels/select.cu``: a radix select, O(R) per row, or for a short single row or ``k`` over 1024 the rank count,
+    O(limit^2)), without host synchronisation. ``limit [T]`` is a device int array."""
     scores = cp.ascontiguousarray(scores, dtype=F32)
     limit = cp.ascontiguousarray(limit, dtype=cp.int32)
     T, n = scores.shape
     k = min(k, n)
-    out = cp.empty((T, k), dtype=cp.int32)
+    P = 0 if prefix is None else prefix.shape[0]
+    out = cp.empty((T, P + k), dtype=cp.int32)
+    head = np.uint64(0) if prefix is None else cp.ascontiguousarray(prefix, dtype=cp.int32)
+    if k == 0:  # no compressed row yet: only the prefix
+        if P:
+            out[:] = head
+        return out
     name = _select_kernel(T, n, k)
     kernel = glue_kernel(name)
     grid_x, block = ((1, (_RADIX_THREADS,)) if name == "index_select_radix"
                      else (-(-n // _SELECT_ENTRIES), (_SELECT_ENTRIES, _SELECT_SLICES)))
-    for r0 in range(0, T if k else 0, MAX_GRID_Y):
+    for r0 in range(0, T, MAX_GRID_Y):
         rows = min(MAX_GRID_Y, T - r0)
         kernel((grid_x, rows), block, (scores[r0:r0 + rows], limit[r0:r0 + rows], np.int32(n), np.int32(k),
-                                       np.int32(offset), out[r0:r0 + rows]))
+                                       np.int32(offset), out[r0:r0 + rows], np.int32(P + k), head, np.int32(P)))
     return out
 
 

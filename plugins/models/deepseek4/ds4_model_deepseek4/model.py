@@ -178,26 +178,30 @@ class Indexer:
         q = ops.rope(ops.linear(qr, self.attn_q_b).reshape(qr.shape[0], self.nih, self.ih), pos, inv_freq)
         return q if finish is None else finish(q)
 
-    def select(self, ops: Ops, q: Any, head_w: Any, keys: Any, limit: Any, offset: int) -> Any:
+    def select(self, ops: Ops, q: Any, head_w: Any, keys: Any, limit: Any, offset: int, prefix: Any = None) -> Any:
         """Top-k compressed rows per query plus ``offset``, ``[T, min(topk, R)]`` int32 (``-1`` = none), among rows
-        ``w < limit[t]``.
+        ``w < limit[t]``; each row after ``prefix [P]`` when given (the window's rows of a step).
 
         ``q [T, nih, ih]`` the :meth:`queries`, ``head_w [T, nih]`` the attention input through :attr:`proj`,
         ``keys [R, ih]`` indexer rows.
         """
         # the head weights' scale nih^-1/2 rides on the scores' scale: one launch fewer
         scores = ops.indexer_scores(q, keys, head_w, (self.ih * self.nih) ** -0.5)
-        return fused(ops, "index_select", compose_index_select)(scores, limit, self.topk, offset)
+        return fused(ops, "index_select", compose_index_select)(scores, limit, self.topk, offset, prefix)
 
 
-def compose_index_select(ops: Ops, scores: Any, limit: Any, k: int, offset: int) -> Any:
+def compose_index_select(ops: Ops, scores: Any, limit: Any, k: int, offset: int, prefix: Any = None) -> Any:
     """The indexer's choice from core ops, the definition of the op ``index_select``: of the rows ``w < limit[t]``
     of ``scores [T, R]`` (the complete ones), the ``k`` best by score (ties to the lowest index, as ``topk``), plus
-    ``offset``; ``-1`` where fewer than ``k`` rows are complete -> int32 ``[T, min(k, R)]``."""
+    ``offset``; ``-1`` where fewer than ``k`` rows are complete -> int32 ``[T, min(k, R)]``, or with ``prefix [P]``
+    (int32) that row first in each: ``[T, P + min(k, R)]``."""
     xp = ops.xp
     complete = xp.arange(scores.shape[1], dtype=xp.int32)[None, :] < limit[:, None]
     sel = ops.topk(xp.where(complete, scores, -xp.inf), k)
-    return xp.where(sel < limit[:, None], sel + offset, -1)  # Python ints keep sel's int32
+    sel = xp.where(sel < limit[:, None], sel + offset, -1)  # Python ints keep sel's int32
+    if prefix is None:
+        return sel
+    return xp.concatenate([xp.broadcast_to(prefix, (sel.shape[0], prefix.shape[0])), sel], axis=1)
 
 
 class StepIndex:
@@ -307,9 +311,8 @@ class Attention:
                                               lambda: self._step_compressed(ops, x, pos, ls))
         if self.indexer is None:
             parts = index.dense(self.m, rows[0].shape[0])
-        else:
-            sel = self.indexer.select(ops, index_q, rows[2], rows[1], index.limit(self.m), index.W)
-            parts = ops.xp.concatenate([index.window, sel], axis=1)
+        else:  # the window's rows, then the chosen ones
+            parts = self.indexer.select(ops, index_q, rows[2], rows[1], index.limit(self.m), index.W, index.window[0])
         return self._attend(ops, q, ls.attention_keys(ops.xp), parts, pos)
 
     def _step_queries(self, ops: Ops, x: Any, pos: Any, ls: LayerState, index: StepIndex) -> tuple[Any, Any]:

@@ -45,11 +45,12 @@ def shared_expert(x: Any, gate: Any, up: Any, down: Any, limit: float) -> Any:
     return compose_shared_expert(_NUMPY_OPS, x, gate, up, down, limit)
 
 
-def index_select(scores: Any, limit: Any, k: int, offset: int) -> Any:
+def index_select(scores: Any, limit: Any, k: int, offset: int, prefix: Any = None) -> Any:
     """The indexer's top-``k`` complete rows (``w < limit[t]``) of ``scores [T, R]`` plus ``offset``, ``-1`` where
-    fewer are complete -> int32 ``[T, min(k, R)]`` (:func:`.model.compose_index_select` over the core numpy ops), the
-    reference of backends that choose them in one launch."""
-    return compose_index_select(_NUMPY_OPS, scores, limit, k, offset)
+    fewer are complete -> int32 ``[T, min(k, R)]``, after ``prefix [P]`` when given
+    (:func:`.model.compose_index_select` over the core numpy ops), the reference of backends that choose them in one
+    launch."""
+    return compose_index_select(_NUMPY_OPS, scores, limit, k, offset, prefix)
 
 
 def linears(x: Any, weights: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -40,22 +40,33 @@ extern "C" __global__ void topk_rank(const float* __restrict__ scores, int n, in
 // only a slice holding them compares indices. Four counters over float4 reads keep each warp busy; the slices'
 // counts are summed at the end.
 //
-// grid (ceil(n / SELECT_ENTRIES), rows), block (SELECT_ENTRIES, SELECT_SLICES); out [rows, k], k <= n.
+// grid (ceil(n / SELECT_ENTRIES), rows), block (SELECT_ENTRIES, SELECT_SLICES); out [rows, ld]: the P entries of
+// head, then k <= n (select_row).
 #define SELECT_ENTRIES 32
 #define SELECT_SLICES 8
 #define SELECT_TILE 1024                                   // scores staged per round: 4 per thread
 #define SELECT_SLICE (SELECT_TILE / SELECT_SLICES)         // 128 a warp counts per round
 
+// Row y of out [rows, ld]: its first P entries are head [P] (written by the threads of the row's first block, so
+// the caller needs no concatenation), then the k chosen ones; returns where those start.
+__device__ __forceinline__ int* select_row(int* out, int ld, const int* __restrict__ head, int P, int threads,
+                                           int tid) {
+    int* dst = out + (size_t)blockIdx.y * ld;
+    if (blockIdx.x == 0)
+        for (int i = tid; i < P; i += threads) dst[i] = head[i];
+    return dst + P;
+}
+
 extern "C" __global__ void __launch_bounds__(SELECT_ENTRIES * SELECT_SLICES) index_select(
         const float* __restrict__ scores, const int* __restrict__ limit, int n, int k, int offset,
-        int* __restrict__ out) {
+        int* __restrict__ out, int ld, const int* __restrict__ head, int P) {
     grid_wait();
     __shared__ float4 tile[SELECT_TILE / 4];
     __shared__ int partial[SELECT_SLICES][SELECT_ENTRIES];
     const float nan = __int_as_float(0x7fffffff);  // compares false: padding past the complete entries counts nothing
     const int x = threadIdx.x, y = threadIdx.y, first = blockIdx.x * SELECT_ENTRIES, i = first + x;
     const float* row = scores + (size_t)blockIdx.y * n;
-    int* dst = out + (size_t)blockIdx.y * k;
+    int* dst = select_row(out, ld, head, P, SELECT_ENTRIES * SELECT_SLICES, y * SELECT_ENTRIES + x);
     const int complete = min(max(limit[blockIdx.y], 0), n);
     if (y == 0 && i >= complete && i < k) dst[i] = -1;
     if (first >= complete) return;  // the whole block: no barrier below is left half-reached
@@ -119,7 +130,8 @@ extern "C" __global__ void __launch_bounds__(SELECT_ENTRIES * SELECT_SLICES) ind
 //     the descending order of a stable sort, and a bitonic sort (shuffles within a warp, shared memory across warps)
 //     puts them in rank order.
 //
-// grid (1, rows), block RADIX_THREADS; out [rows, k], k <= RADIX_THREADS (one chosen entry per thread in the sort).
+// grid (1, rows), block RADIX_THREADS; out [rows, ld] as index_select, k <= RADIX_THREADS (one chosen entry per
+// thread in the sort).
 #define RADIX_THREADS 1024
 #define RADIX_BITS 11
 #define RADIX_BINS (1 << RADIX_BITS)  // two per thread in the scan that finds the digit
@@ -164,7 +176,7 @@ __device__ __forceinline__ unsigned long long shfl_xor_u64(unsigned long long v,
 
 extern "C" __global__ void __launch_bounds__(RADIX_THREADS) index_select_radix(
         const float* __restrict__ scores, const int* __restrict__ limit, int n, int k, int offset,
-        int* __restrict__ out) {
+        int* __restrict__ out, int ld, const int* __restrict__ head, int P) {
     grid_wait();
     static_assert(RADIX_BINS == 2 * RADIX_THREADS, "the digit scan gives each thread two bins");
     static_assert(RADIX_THREADS == 32 * 32, "block_exclusive_sum scans one warp's worth of warp sums");
@@ -174,7 +186,7 @@ extern "C" __global__ void __launch_bounds__(RADIX_THREADS) index_select_radix(
     __shared__ int found_digit, found_above, found_count, gathered;
     const int tid = threadIdx.x, lane = tid & 31;
     const float* row = scores + (size_t)blockIdx.y * n;
-    int* dst = out + (size_t)blockIdx.y * k;
+    int* dst = select_row(out, ld, head, P, RADIX_THREADS, tid);
     const int complete = min(max(limit[blockIdx.y], 0), n);
     const int take = min(k, complete);
     for (int r = take + tid; r < k; r += RADIX_THREADS) dst[r] = -1;
