@@ -8,9 +8,9 @@ time is the host's share (the Python feed, the logits copy, the argmax) plus the
 
 With ``--prefill`` it traces the prompt's prefill instead (in a second session, after a first one compiled and
 warmed every kernel): the same table per prefill, then the untraced wall time of that prefill. With ``--timeline``
-it also lists the last traced decode step's kernels in order: start, duration and the gap since the previous kernel ended
-(what a launch edge costs; negative where kernels overlap, as with programmatic dependent launch, whose kernels'
-durations then include their wait: set DS4_CUDA_PDL=0 for each kernel's own time).
+it also lists the last traced decode step's kernels in order: start, duration and the gap since the previous
+kernel ended (what a launch edge costs; negative where kernels overlap, as with programmatic dependent launch, whose
+kernels' durations then include their wait: set DS4_CUDA_PDL=0 for each kernel's own time).
 
 Usage: python benchmarks/profile_step.py FILE [--prompt-tokens 2048] [--steps 5] [--top 30] [--prefill] [--timeline]
 (needs a GPU with the CUDA backend, the file's model plugin, and torch for the trace.)
