@@ -133,8 +133,8 @@ def hc_post_pre_norm(S: Any, ys: tuple[Any, ...], post: Any, comb: Any, fn: Weig
     y2 = cp.ascontiguousarray(ys[1], dtype=F32) if len(ys) == 2 else np.uint64(0)
     quant_kernel("hc_expand_mix", fn.qtype)((slices, T), (256,), (
         fn.data, np.int64(fn.data.shape[1]), np.int32(M), S, cp.ascontiguousarray(ys[0], dtype=F32), y2,
-        cp.ascontiguousarray(post, dtype=F32),
-        cp.ascontiguousarray(comb, dtype=F32), np.int32(n), np.int32(D), out, part))
+        cp.ascontiguousarray(post, dtype=F32), cp.ascontiguousarray(comb, dtype=F32), np.int32(n), np.int32(D), out,
+        part))
     return (out, *_split_norm(out, slices, part, scale, base, iters, eps, norm_eps, norm))
 
 
