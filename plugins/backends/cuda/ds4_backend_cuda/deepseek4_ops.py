@@ -13,18 +13,14 @@ import numpy as np
 
 from ds4_core.backend import Weight
 
-from .hc_ops import hc_post_pre_norm, hc_pre_norm
 from .modules import glue_kernel
 from .ops import (
     MAX_GRID_Y,
     MOE_PAIR_LIMIT,
     gemv_launch,
     linear,
-    linears,
     moe_gate_up_launch,
-    norm_rope,
     rms_norm,
-    sparse_attention_unrope,
     swiglu,
     use_int8,
     values,
@@ -168,18 +164,3 @@ def index_select(scores: Any, limit: Any, k: int, offset: int, prefix: Any = Non
         kernel((grid_x, rows), block, (scores[r0:r0 + rows], limit[r0:r0 + rows], np.int32(n), np.int32(k),
                                        np.int32(offset), out[r0:r0 + rows], np.int32(P + k), head, np.int32(P)))
     return out
-
-
-DEEPSEEK4_OPS = {
-    "fp8_kv_round": fp8_kv_round,
-    "fp4_hadamard_round": fp4_hadamard_round,
-    "compress_step": compress_step,
-    "shared_expert": shared_expert,
-    "index_select": index_select,
-    "linears": linears,
-    "norm_linear": norm_linear,
-    "hc_pre_norm": hc_pre_norm,
-    "hc_post_pre_norm": hc_post_pre_norm,
-    "norm_rope": norm_rope,
-    "sparse_attention_unrope": sparse_attention_unrope,
-}

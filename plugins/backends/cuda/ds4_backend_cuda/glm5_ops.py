@@ -43,6 +43,3 @@ def moe_route_sigmoid(logits: Any, bias: Weight | None, k: int, routed_scale: fl
         choice = cp.where(cp.repeat(kept, E // n_group, axis=1), choice, -cp.inf)
     idx = topk(choice, k)
     return idx, route_weights(scores, idx, normalize, routed_scale)
-
-
-GLM5_OPS = {"layer_norm": layer_norm, "moe_route_sigmoid": moe_route_sigmoid}

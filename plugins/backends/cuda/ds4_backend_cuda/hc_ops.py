@@ -163,11 +163,3 @@ def softmax_pool(kv: Any, gate: Any) -> Any:
     p = cp.exp(gate - gate.max(axis=1, keepdims=True))
     p = p / p.sum(axis=1, keepdims=True)
     return cp.sum(p * kv, axis=1).astype(F32)
-
-
-HC_OPS = {
-    "hc_pre": hc_pre,
-    "hc_post": hc_post,
-    "hc_head": hc_head,
-    "softmax_pool": softmax_pool,
-}

@@ -651,20 +651,3 @@ def _moe_grouped(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, 
         y = _expert_matmul(h, down_exps, int(e)) * weights[tok_d, slot_d][:, None]
         cp.add.at(out, tok_d, y)
     return out
-
-
-#: The kernels of this module (the hyper-connection and recurrent core ops live in :mod:`.hc_ops` and
-#: :mod:`.recurrent_ops`; :mod:`.plugin` registers them all).
-CUDA_OPS = {
-    "embed": embed,
-    "linear": linear,
-    "grouped_linear": grouped_linear,
-    "rms_norm": rms_norm,
-    "rope": rope,
-    "swiglu": swiglu,
-    "topk": topk,
-    "sparse_attention": sparse_attention,
-    "indexer_scores": indexer_scores,
-    "moe_route": moe_route,
-    "moe_experts": moe_experts,
-}

@@ -19,8 +19,9 @@ CORE_KERNELS: dict[str, tuple[str, ...]] = {
 #: Model-specific ops (declared by the model plugins, numpy references there), by implementing module.
 MODEL_KERNELS: dict[str, tuple[str, ...]] = {
     "deepseek4_ops": ("fp8_kv_round", "fp4_hadamard_round", "compress_step", "shared_expert", "index_select",
-                      "linears", "norm_linear", "hc_pre_norm", "hc_post_pre_norm", "norm_rope",
-                      "sparse_attention_unrope"),
+                      "norm_linear"),
+    "ops": ("linears", "norm_rope", "sparse_attention_unrope"),  # DeepSeek V4's, beside the core kernels they extend
+    "hc_ops": ("hc_pre_norm", "hc_post_pre_norm"),
     "glm5_ops": ("layer_norm", "moe_route_sigmoid"),
     "qwen38_ops": ("rope_half", "hc_mix", "gqa_attention", "moe_route_softmax"),
 }

@@ -77,11 +77,3 @@ def moe_route_softmax(logits: Any, k: int, normalize: bool) -> tuple[Any, Any]:
     if normalize:
         w = w / w.sum(axis=-1, keepdims=True)
     return idx, w.astype(F32)
-
-
-QWEN38_OPS = {
-    "rope_half": rope_half,
-    "hc_mix": hc_mix,
-    "gqa_attention": gqa_attention,
-    "moe_route_softmax": moe_route_softmax,
-}

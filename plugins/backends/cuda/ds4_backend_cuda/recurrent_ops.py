@@ -112,10 +112,3 @@ def gated_delta_rule_chunked(q: Any, k: Any, v: Any, log_decay: Any, beta: Any, 
         S = (cp.exp(last[:, 0, :])[:, :, None] * S
              + cp.matmul(cp.swapaxes(cp.exp(last - G) * kc, 1, 2), delta)).astype(F32)
     return out, S
-
-
-RECURRENT_OPS = {
-    "short_conv": short_conv,
-    "gated_delta_rule": gated_delta_rule,
-    "gated_delta_rule_chunked": gated_delta_rule_chunked,
-}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import mlx.core as mx
 
@@ -57,9 +56,3 @@ def fp4_hadamard_round(x: mx.array, block: int = 32) -> mx.array:
     y = mx.matmul(x, _hadamard(d))
     blocks = y.reshape(*y.shape[:-1], d // block, block)
     return _block_round(blocks, 6.0, 1, 0, 6.0 * 2.0 ** -126).reshape(y.shape)
-
-
-DEEPSEEK4_OPS: dict[str, Callable] = {
-    "fp8_kv_round": fp8_kv_round,
-    "fp4_hadamard_round": fp4_hadamard_round,
-}

@@ -3,8 +3,6 @@ group-limited MoE router."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import mlx.core as mx
 
 from ds4_core.backend import Weight
@@ -43,6 +41,3 @@ def moe_route_sigmoid(logits: mx.array, bias: Weight | None, k: int, routed_scal
     if normalize:
         w = w / (w.sum(axis=-1, keepdims=True) + 1e-20)
     return idx, w * routed_scale
-
-
-GLM5_OPS: dict[str, Callable] = {"layer_norm": layer_norm, "moe_route_sigmoid": moe_route_sigmoid}

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import mlx.core as mx
 
 from ds4_core.backend import Weight
@@ -66,11 +64,3 @@ def softmax_pool(kv: mx.array, gate: mx.array) -> mx.array:
     p = mx.exp(gate - gate.max(axis=1, keepdims=True))
     p = p / p.sum(axis=1, keepdims=True)
     return mx.sum(p * kv, axis=1)
-
-
-HC_OPS: dict[str, Callable] = {
-    "hc_pre": hc_pre,
-    "hc_post": hc_post,
-    "hc_head": hc_head,
-    "softmax_pool": softmax_pool,
-}

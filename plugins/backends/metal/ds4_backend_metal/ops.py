@@ -7,7 +7,6 @@ the host, so one token's graph is evaluated once, by the caller's ``to_numpy``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -202,18 +201,3 @@ def moe_experts(x: mx.array, gate_exps: Weight, up_exps: Weight, down_exps: Weig
     h = swiglu(_experts_matmul(xe, gate_exps.data, idx), _experts_matmul(xe, up_exps.data, idx), swiglu_limit)
     y = _experts_matmul(h, down_exps.data, idx)[:, :, 0, :]  # [T, k, D]
     return (y * weights[:, :, None]).sum(axis=1)
-
-
-MLX_OPS: dict[str, Callable] = {
-    "embed": embed,
-    "linear": linear,
-    "grouped_linear": grouped_linear,
-    "rms_norm": rms_norm,
-    "rope": rope,
-    "swiglu": swiglu,
-    "topk": topk,
-    "sparse_attention": sparse_attention,
-    "indexer_scores": indexer_scores,
-    "moe_route": moe_route,
-    "moe_experts": moe_experts,
-}

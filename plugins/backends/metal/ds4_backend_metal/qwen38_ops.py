@@ -3,7 +3,6 @@ masked GQA attention and the softmax router."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -64,11 +63,3 @@ def moe_route_softmax(logits: mx.array, k: int, normalize: bool) -> tuple[mx.arr
     if normalize:
         w = w / w.sum(axis=-1, keepdims=True)
     return idx, w
-
-
-QWEN38_OPS: dict[str, Callable] = {
-    "rope_half": rope_half,
-    "hc_mix": hc_mix,
-    "gqa_attention": gqa_attention,
-    "moe_route_softmax": moe_route_softmax,
-}

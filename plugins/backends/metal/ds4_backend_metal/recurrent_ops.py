@@ -8,8 +8,6 @@ on MLX's CPU stream, because MLX has no GPU kernel for it (on a Mac the memory i
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import mlx.core as mx
 
 from ds4_core.backend import Weight
@@ -124,10 +122,3 @@ def gated_delta_rule_chunked(q: mx.array, k: mx.array, v: mx.array, log_decay: m
         o, S = _chunk(*heads_first, S)
         out.append(o.swapaxes(0, 1))
     return (out[0] if len(out) == 1 else mx.concatenate(out)), S
-
-
-RECURRENT_OPS: dict[str, Callable] = {
-    "short_conv": short_conv,
-    "gated_delta_rule": gated_delta_rule,
-    "gated_delta_rule_chunked": gated_delta_rule_chunked,
-}
