@@ -235,7 +235,6 @@ def test_sparse_attention_unrope(cuda_backend, T, K, d, rng):
     """The inverse RoPE in the merge launch (Flash's 64 heads of 512, 64 rotated channels, at positions up to 40K)
     against the attention and the rotation in two ops, and the numpy reference; the shapes the few-token kernels do
     not take go through the two ops."""
-    from ds4_backend_cuda import deepseek4_ops as cu
     from ds4_backend_cuda import ops
     from ds4_model_deepseek4 import ops as dref
 
@@ -248,7 +247,7 @@ def test_sparse_attention_unrope(cuda_backend, T, K, d, rng):
     half = min(32, d // 2)
     inv_freq = (10000.0 ** (-np.arange(half) / half)).astype(np.float32)
     xp, host = cuda_backend.asarray, cuda_backend.to_numpy
-    got = host(cu.sparse_attention_unrope(xp(q), xp(kv), xp(idx), sinks, d ** -0.5, xp(pos), xp(inv_freq)))
+    got = host(ops.sparse_attention_unrope(xp(q), xp(kv), xp(idx), sinks, d ** -0.5, xp(pos), xp(inv_freq)))
     plain = host(ops.sparse_attention(xp(q), xp(kv), xp(idx), sinks, d ** -0.5))
     apart = host(ops.rope(xp(plain), xp(pos), xp(inv_freq), inverse=True))
     np.testing.assert_allclose(got, apart, rtol=1e-6, atol=1e-6)
@@ -316,7 +315,7 @@ def test_hc_and_deepseek4_ops(cuda_backend, n, D, rng):
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(host(g), w, rtol=1e-4, atol=1e-5)
     norm_ref, norm = _pair(cuda_backend, "F32", (D,), rng)  # hc_pre then RMSNorm, fused for n = 4 with slices
-    fused = cu.hc_pre_norm(xp(S), fn, sc, base, 20, 1e-6, 1e-6, norm)
+    fused = hc.hc_pre_norm(xp(S), fn, sc, base, 20, 1e-6, 1e-6, norm)
     for g, w in zip(fused, dref.hc_pre_norm(S, fn_ref, sc_ref, base_ref, 20, 1e-6, 1e-6, norm_ref), strict=True):
         np.testing.assert_allclose(host(g), w, rtol=1e-4, atol=1e-5)
     y = rng.standard_normal((T, D), dtype=np.float32)
@@ -329,9 +328,9 @@ def test_hc_and_deepseek4_ops(cuda_backend, n, D, rng):
            _pair(cuda_backend, "F32", ((2 + n) * n,), rng), _pair(cuda_backend, "F32", (D,), rng)]
     (fn2_ref, fn2), (sc2_ref, sc2), (base2_ref, base2), (norm2_ref, norm2) = ffn
     for ys in ((y,), (y, rng.standard_normal((T, D), dtype=np.float32))):
-        both = cu.hc_post_pre_norm(xp(S), tuple(map(xp, ys)), got[1], got[2], fn2, sc2, base2, 20, 1e-6, 1e-6, norm2)
+        both = hc.hc_post_pre_norm(xp(S), tuple(map(xp, ys)), got[1], got[2], fn2, sc2, base2, 20, 1e-6, 1e-6, norm2)
         S2 = hc.hc_post(xp(S), sum(map(xp, ys[1:]), xp(ys[0])), got[1], got[2])
-        for g, w in zip(both, (S2, *cu.hc_pre_norm(S2, fn2, sc2, base2, 20, 1e-6, 1e-6, norm2)), strict=True):
+        for g, w in zip(both, (S2, *hc.hc_pre_norm(S2, fn2, sc2, base2, 20, 1e-6, 1e-6, norm2)), strict=True):
             np.testing.assert_array_equal(host(g), host(w))
         want_both = dref.hc_post_pre_norm(S, ys, host(got[1]), host(got[2]), fn2_ref, sc2_ref, base2_ref, 20, 1e-6,
                                           1e-6, norm2_ref)
@@ -357,7 +356,7 @@ def test_hc_and_deepseek4_ops(cuda_backend, n, D, rng):
 def test_norm_rope_is_rope_of_rms_norm(cuda_backend, shape, weighted, rng):
     """RMSNorm and RoPE in one launch (a query's heads, a KV row) equal the two core ops; a row wider than a block's
     threads hold takes the two launches."""
-    from ds4_backend_cuda import deepseek4_ops as cu
+    from ds4_backend_cuda import ops
     from ds4_model_deepseek4 import ops as dref
 
     x = rng.standard_normal(shape, dtype=np.float32) * 3
@@ -365,7 +364,7 @@ def test_norm_rope_is_rope_of_rms_norm(cuda_backend, shape, weighted, rng):
     pos = rng.integers(0, 5000, shape[0]).astype(np.int32)
     inv_freq = (10000.0 ** -(np.arange(16) / 16)).astype(np.float32)
     xp = cuda_backend.asarray
-    got = cuda_backend.to_numpy(cu.norm_rope(xp(x), w, 1e-6, xp(pos), xp(inv_freq)))
+    got = cuda_backend.to_numpy(ops.norm_rope(xp(x), w, 1e-6, xp(pos), xp(inv_freq)))
     np.testing.assert_allclose(got, dref.norm_rope(x, w_ref, 1e-6, pos, inv_freq), rtol=1e-5, atol=1e-5)
 
 
