@@ -138,7 +138,7 @@ def interrupt_at(deepseek, monkeypatch):
     has written this chunk's rows into the state."""
 
     def arm(n: int) -> None:
-        attention = deepseek.ops._kernels["sparse_attention_unrope"]  # the fused op the graph calls (numpy has it)
+        attention = deepseek.ops._kernels["norm_rope_attention"]  # the fused op the graph calls (numpy has it)
         calls = 0
 
         def counted(*args: Any, **kwargs: Any) -> Any:
@@ -148,7 +148,7 @@ def interrupt_at(deepseek, monkeypatch):
                 raise KeyboardInterrupt  # what Ctrl-C raises there (not a signal: CI may run with SIGINT ignored)
             return attention(*args, **kwargs)
 
-        monkeypatch.setitem(deepseek.ops._kernels, "sparse_attention_unrope", counted)
+        monkeypatch.setitem(deepseek.ops._kernels, "norm_rope_attention", counted)
 
     return arm
 

@@ -230,30 +230,34 @@ def test_sparse_attention_at_decode_shapes(cuda_backend, T, K, d, rng):
     np.testing.assert_allclose(got, ref.sparse_attention(q, kv, idx, sinks_ref, d ** -0.5), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize(("T", "K", "d"), [(1, 640, 512), (3, 100, 512), (1, 40, 1600), (2, 50, 42)])
-def test_sparse_attention_unrope(cuda_backend, T, K, d, rng):
-    """The inverse RoPE in the merge launch (Flash's 64 heads of 512, 64 rotated channels, at positions up to 40K)
-    against the attention and the rotation in two ops, and the numpy reference; the shapes the few-token kernels do
-    not take go through the two ops."""
+# (2, 37, 68, 33): the rotated channels start at 2, inside a float4 of the queries
+@pytest.mark.parametrize(("T", "K", "d", "half"), [(1, 640, 512, 32), (3, 100, 512, 32), (1, 40, 1600, 32),
+                                                   (2, 50, 42, 21), (2, 37, 68, 33)])
+def test_norm_rope_attention(cuda_backend, T, K, d, half, rng):
+    """The queries' RMSNorm and RoPE in the rows launch and the inverse RoPE in the merge launch (Flash's 64 heads of
+    512, 64 rotated channels, at positions up to 40K) against the three ops one after the other, and the numpy
+    reference; the shapes the few-token kernels do not take go through the ops."""
     from ds4_backend_cuda import ops
     from ds4_model_deepseek4 import ops as dref
 
     H, N = 64, 700
-    q = rng.standard_normal((T, H, d), dtype=np.float32)
+    q = rng.standard_normal((T, H, d), dtype=np.float32) * 3
     kv = rng.standard_normal((N, d), dtype=np.float32)
     idx = rng.integers(-1, N, (T, K)).astype(np.int32)
     sinks_ref, sinks = _pair(cuda_backend, "F32", (H,), rng)
     pos = rng.integers(0, 40000, T).astype(np.int32)
-    half = min(32, d // 2)
     inv_freq = (10000.0 ** (-np.arange(half) / half)).astype(np.float32)
     xp, host = cuda_backend.asarray, cuda_backend.to_numpy
-    got = host(ops.sparse_attention_unrope(xp(q), xp(kv), xp(idx), sinks, d ** -0.5, xp(pos), xp(inv_freq)))
-    plain = host(ops.sparse_attention(xp(q), xp(kv), xp(idx), sinks, d ** -0.5))
+    got = host(ops.norm_rope_attention(xp(q), 1e-6, xp(kv), xp(idx), sinks, d ** -0.5, xp(pos), xp(inv_freq)))
+    rotated = ops.norm_rope(xp(q), None, 1e-6, xp(pos), xp(inv_freq))
+    plain = host(ops.sparse_attention(rotated, xp(kv), xp(idx), sinks, d ** -0.5))
     apart = host(ops.rope(xp(plain), xp(pos), xp(inv_freq), inverse=True))
-    np.testing.assert_allclose(got, apart, rtol=1e-6, atol=1e-6)
-    want = dref.sparse_attention_unrope(q, kv, idx, sinks_ref, d ** -0.5, pos, inv_freq)
+    np.testing.assert_allclose(got, apart, rtol=1e-5, atol=1e-6)
+    want = dref.norm_rope_attention(q, 1e-6, kv, idx, sinks_ref, d ** -0.5, pos, inv_freq)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-    assert not np.allclose(got[..., -2 * half:], plain[..., -2 * half:])  # the rotation happened
+    assert not np.allclose(got[..., -2 * half:], plain[..., -2 * half:])  # the output's rotation happened
+    unrotated = host(ops.sparse_attention(ops.rms_norm(xp(q), None, 1e-6), xp(kv), xp(idx), sinks, d ** -0.5))
+    assert not np.allclose(plain, unrotated, rtol=1e-3)  # and the queries'
 
 
 @pytest.mark.parametrize("with_sinks", [False, True])

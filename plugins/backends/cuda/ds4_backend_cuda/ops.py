@@ -448,9 +448,12 @@ def contract_mix(p: Any, b: Any) -> Any:
 
 #: Heads and rows that one block of ``attend_rows`` takes (ATTEND_HEADS, ATTEND_ROWS in kernels/attention.cu).
 _ATTEND_HEADS, _ATTEND_ROWS = 8, 32
+#: Shared memory the few-token attention may take without asking for more (attend_rows: its heads' queries, and
+#: with the queries' RoPE one (cos, sin) per rotated pair).
+_ATTEND_SHARED = 48 * 1024
 #: Widest head the few-token kernels take (a multiple of 4 wide): ``attend_rows`` holds its block's heads of q in
-#: 48 KB of shared memory.
-_ATTEND_MAX_D = 48 * 1024 // (4 * _ATTEND_HEADS)
+#: shared memory.
+_ATTEND_MAX_D = _ATTEND_SHARED // (4 * _ATTEND_HEADS)
 #: Query tokens per pass of the prefill attention: their gathered rows ([tokens, K, d] float32) are its scratch,
 #: 0.67 GB at DeepSeek V4 Flash's K = 640 rows of 512 values.
 ATTEND_TOKENS = 512
@@ -465,7 +468,7 @@ def sparse_attention(q: Any, kv: Any, idx: Any, sinks: Weight | None, scale: flo
     K = idx.shape[1]
     sink = np.uint64(0) if sinks is None else cp.ascontiguousarray(values(sinks), dtype=F32)
     if _attends_rows(q, idx):
-        return _attend_rows(q, kv, idx, sink, scale, (np.uint64(0), np.uint64(0), _i32(0)))
+        return _attend_rows(q, kv, idx, sink, scale, (np.uint64(0), np.uint64(0), _i32(0), F32(0)))
     q = cp.ascontiguousarray(q, dtype=F32)
     idx = cp.ascontiguousarray(idx, dtype=cp.int32)
     kv = cp.ascontiguousarray(kv, dtype=F32)
@@ -487,9 +490,9 @@ def _attends_rows(q: Any, idx: Any) -> bool:
     return 0 < T <= GEMV_TOKENS and idx.shape[1] > 0 and d % 4 == 0 and d <= _ATTEND_MAX_D
 
 
-def _attend_rows(q: Any, kv: Any, idx: Any, sink: Any, scale: float, unrope: tuple) -> Any:
-    """The few-token attention in two launches; ``unrope`` (positions, inv_freq, half) rotates the output back in
-    the merge (null pointers and 0: not)."""
+def _attend_rows(q: Any, kv: Any, idx: Any, sink: Any, scale: float, rope_args: tuple) -> Any:
+    """The few-token attention in two launches; ``rope_args`` (positions, inv_freq, half, eps) RMSNorm and rotate
+    the queries in the first and rotate the output back in the merge (null pointers: neither)."""
     T, H, d = q.shape
     K = idx.shape[1]
     q, kv = cp.ascontiguousarray(q, dtype=F32), cp.ascontiguousarray(kv, dtype=F32)
@@ -498,23 +501,27 @@ def _attend_rows(q: Any, kv: Any, idx: Any, sink: Any, scale: float, unrope: tup
     part, stats = cp.empty((T, H, tiles, d), dtype=F32), cp.empty((T, H, tiles, 2), dtype=F32)
     out = cp.empty((T, H, d), dtype=F32)
     glue_kernel("attend_rows")((tiles, -(-H // _ATTEND_HEADS), T), (32 * _ATTEND_HEADS,), (
-        q, kv, idx, _i32(H), _i32(K), _i32(d), F32(scale), part, stats), shared_mem=4 * _ATTEND_HEADS * d)
+        q, kv, idx, _i32(H), _i32(K), _i32(d), F32(scale), part, stats, *rope_args),
+        shared_mem=4 * _ATTEND_HEADS * d + 8 * int(rope_args[2]))
     glue_kernel("attend_merge")((-(-d // 128), H, T), (128,), (
-        part, stats, sink, _i32(H), _i32(tiles), _i32(d), out, *unrope), shared_mem=4 * tiles)
+        part, stats, sink, _i32(H), _i32(tiles), _i32(d), out, *rope_args[:3]), shared_mem=4 * tiles)
     return out
 
 
-def sparse_attention_unrope(q: Any, kv: Any, idx: Any, sinks: Weight | None, scale: float, positions: Any,
-                            inv_freq: Any) -> Any:
-    """:func:`sparse_attention`, then :func:`rope` with ``inverse``: a decode step's few tokens take the rotation in
-    the attention's merge launch."""
-    half = inv_freq.shape[0]
-    if not (_attends_rows(q, idx) and 2 * half <= q.shape[2] and positions.size == q.shape[0]):
+def norm_rope_attention(q: Any, eps: float, kv: Any, idx: Any, sinks: Weight | None, scale: float, positions: Any,
+                        inv_freq: Any) -> Any:
+    """:func:`norm_rope` of the queries (no weight), :func:`sparse_attention`, then :func:`rope` of its output with
+    ``inverse``: a decode step's few tokens take the queries' norm and rotation in the attention's first launch and
+    the output's rotation in its merge launch."""
+    half, d = inv_freq.shape[0], q.shape[2]
+    rope_fits = 2 * half <= d and half <= 32 * _ATTEND_HEADS and 4 * _ATTEND_HEADS * d + 8 * half <= _ATTEND_SHARED
+    if not (_attends_rows(q, idx) and rope_fits and positions.size == q.shape[0]):
+        q = norm_rope(q, None, eps, positions, inv_freq)
         return rope(sparse_attention(q, kv, idx, sinks, scale), positions, inv_freq, inverse=True)
     sink = np.uint64(0) if sinks is None else cp.ascontiguousarray(values(sinks), dtype=F32)
-    unrope = (cp.ascontiguousarray(positions, dtype=cp.int32).reshape(-1), cp.ascontiguousarray(inv_freq, dtype=F32),
-              _i32(half))
-    return _attend_rows(q, kv, idx, sink, scale, unrope)
+    rope_args = (cp.ascontiguousarray(positions, dtype=cp.int32).reshape(-1),
+                 cp.ascontiguousarray(inv_freq, dtype=F32), _i32(half), F32(eps))
+    return _attend_rows(q, kv, idx, sink, scale, rope_args)
 
 
 #: Most heads and the keys of one block of ``indexer_scores_rows`` (SCORE_HEADS, SCORE_KEYS in ``kernels/rows.cu``).

@@ -126,10 +126,12 @@ def compose_norm_rope(ops: Ops, x: Any, w: Any, eps: float, positions: Any, inv_
     return ops.rope(ops.rms_norm(x, w, eps), positions, inv_freq)
 
 
-def compose_sparse_attention_unrope(ops: Ops, q: Any, kv: Any, idx: Any, sinks: Any, scale: float, positions: Any,
-                                    inv_freq: Any) -> Any:
-    """Sparse attention, then its output rotated back by the inverse RoPE at ``positions`` (the keys' rotation,
-    which the values carry), from core ops: the definition of the op ``sparse_attention_unrope``."""
+def compose_norm_rope_attention(ops: Ops, q: Any, eps: float, kv: Any, idx: Any, sinks: Any, scale: float,
+                                positions: Any, inv_freq: Any) -> Any:
+    """The queries ``q [T, H, d]`` RMSNormed (no weight, eps ``eps``) and RoPE'd at ``positions``, sparse attention
+    over the rows ``idx`` of ``kv``, then its output rotated back by the inverse RoPE (the keys' rotation, which the
+    values carry), from core ops: the definition of the op ``norm_rope_attention``."""
+    q = compose_norm_rope(ops, q, None, eps, positions, inv_freq)
     return ops.rope(ops.sparse_attention(q, kv, idx, sinks, scale), positions, inv_freq, inverse=True)
 
 
@@ -326,7 +328,7 @@ class Attention:
         def index_queries() -> Any:
             return self.indexer.queries(ops, self._q_latent(ops, q_low), pos, self.inv_freq, self.index_finish)
 
-        branches = [lambda: self._queries(ops, q_low, pos), put_raw]  # longest first
+        branches = [lambda: self._queries(ops, q_low), put_raw]  # longest first
         if self.indexer is not None:
             branches.insert(1, index_queries)
         q, *rest = ops.concurrently(*branches)
@@ -346,9 +348,10 @@ class Attention:
         return rows, index_rows, proj[4]
 
     def _project(self, ops: Ops, x: Any, pos: Any) -> tuple[Any, Any, Any]:
-        """(query latent before its norm ``[T, q_lora]``, RoPE'd queries ``[T, H, hd]``, the K=V rows ``[T, hd]``)."""
+        """(query latent before its norm ``[T, q_lora]``, queries ``[T, H, hd]`` before their norm and RoPE, the K=V
+        rows ``[T, hd]``)."""
         q_low, kv = self._latents(ops, x)
-        return q_low, self._queries(ops, q_low, pos), self._kv_rows(ops, kv, pos)
+        return q_low, self._queries(ops, q_low), self._kv_rows(ops, kv, pos)
 
     def _latents(self, ops: Ops, x: Any) -> tuple[Any, Any]:
         """(query latent ``[T, q_lora]``, the K=V rows ``[T, hd]``), both before their norms."""
@@ -358,14 +361,13 @@ class Attention:
         """The normalised query latent, which the indexer's queries read."""
         return ops.rms_norm(q_low, self.attn_q_a_norm, self.cfg.rms_norm_eps)
 
-    def _queries(self, ops: Ops, q_low: Any, pos: Any) -> Any:
-        """RoPE'd queries ``[T, H, hd]`` of the query latent ``q_low`` (normalised on the way into ``attn_q_b``: a
-        backend may fold the norm into that projection)."""
+    def _queries(self, ops: Ops, q_low: Any) -> Any:
+        """Queries ``[T, H, hd]`` of the query latent ``q_low`` (normalised on the way into ``attn_q_b``: a backend
+        may fold the norm into that projection), before their own norm and RoPE, which the attention op applies."""
         cfg = self.cfg
         q = fused(ops, "norm_linear", compose_norm_linear)(q_low, self.attn_q_a_norm, cfg.rms_norm_eps,
                                                             self.attn_q_b)
-        return fused(ops, "norm_rope", compose_norm_rope)(q.reshape(q_low.shape[0], cfg.num_heads, cfg.head_dim),
-                                                          None, cfg.rms_norm_eps, pos, self.inv_freq)
+        return q.reshape(q_low.shape[0], cfg.num_heads, cfg.head_dim)
 
     def _kv_rows(self, ops: Ops, kv: Any, pos: Any) -> Any:
         """The K=V rows ``[T, hd]``: normalised, RoPE'd and (QAT) rounded."""
@@ -374,11 +376,11 @@ class Attention:
         return kv if self.kv_finish is None else self.kv_finish(kv)
 
     def _attend(self, ops: Ops, q: Any, keys: Any, idx: Any, pos: Any) -> Any:
-        """Sparse attention of ``q [T, H, hd]`` over the rows ``keys [N, hd]`` at the indices ``idx [T, K]``, then
-        the inverse RoPE and the grouped output projection -> ``[T, D]``."""
+        """The queries ``q [T, H, hd]`` normalised and RoPE'd, their sparse attention over the rows ``keys [N, hd]``
+        at the indices ``idx [T, K]``, the inverse RoPE and the grouped output projection -> ``[T, D]``."""
         cfg, T = self.cfg, q.shape[0]
-        o = fused(ops, "sparse_attention_unrope", compose_sparse_attention_unrope)(
-            q, keys, idx, self.attn_sinks, cfg.head_dim ** -0.5, pos, self.inv_freq)
+        o = fused(ops, "norm_rope_attention", compose_norm_rope_attention)(
+            q, cfg.rms_norm_eps, keys, idx, self.attn_sinks, cfg.head_dim ** -0.5, pos, self.inv_freq)
         low = ops.grouped_linear(o.reshape(T, cfg.o_groups, -1), self.attn_output_a)
         return ops.linear(low.reshape(T, -1), self.attn_output_b)
 

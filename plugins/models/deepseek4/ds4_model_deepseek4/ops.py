@@ -23,8 +23,8 @@ from .model import (
     compose_linears,
     compose_norm_linear,
     compose_norm_rope,
+    compose_norm_rope_attention,
     compose_shared_expert,
-    compose_sparse_attention_unrope,
 )
 from .qat import fp4_hadamard_round, fp8_kv_round
 
@@ -86,11 +86,12 @@ def norm_rope(x: Any, w: Any, eps: float, positions: Any, inv_freq: Any) -> Any:
     return compose_norm_rope(_NUMPY_OPS, x, w, eps, positions, inv_freq)
 
 
-def sparse_attention_unrope(q: Any, kv: Any, idx: Any, sinks: Any, scale: float, positions: Any,
-                            inv_freq: Any) -> Any:
-    """Sparse attention, then the inverse RoPE (:func:`.model.compose_sparse_attention_unrope` over the core numpy
-    ops), the reference of backends that rotate the output back in the attention's last launch."""
-    return compose_sparse_attention_unrope(_NUMPY_OPS, q, kv, idx, sinks, scale, positions, inv_freq)
+def norm_rope_attention(q: Any, eps: float, kv: Any, idx: Any, sinks: Any, scale: float, positions: Any,
+                        inv_freq: Any) -> Any:
+    """The queries' RMSNorm and RoPE, sparse attention, then the inverse RoPE
+    (:func:`.model.compose_norm_rope_attention` over the core numpy ops), the reference of backends that do the
+    rotations in the attention's launches."""
+    return compose_norm_rope_attention(_NUMPY_OPS, q, eps, kv, idx, sinks, scale, positions, inv_freq)
 
 
 DEEPSEEK4_OPS: dict[str, Callable] = {
@@ -104,5 +105,5 @@ DEEPSEEK4_OPS: dict[str, Callable] = {
     "hc_pre_norm": hc_pre_norm,
     "hc_post_pre_norm": hc_post_pre_norm,
     "norm_rope": norm_rope,
-    "sparse_attention_unrope": sparse_attention_unrope,
+    "norm_rope_attention": norm_rope_attention,
 }

@@ -40,17 +40,47 @@ __device__ __forceinline__ float dot4(float4 a, float4 b, float s) {
     return fmaf(a.x, b.x, fmaf(a.y, b.y, fmaf(a.z, b.z, fmaf(a.w, b.w, s))));
 }
 
+// One query head of d channels (d / 4 float4s in shared memory) RMSNormed and its trailing 2·half channels rotated
+// by rot[i] = (cos, sin) of pair i, in place, by one warp.
+__device__ void norm_rope_head(float4* h, int d, float eps, const float2* rot, int half) {
+    const int lane = threadIdx.x & 31, d4 = d / 4, first = d - 2 * half;
+    float ss = 0.f;
+    for (int c = lane; c < d4; c += 32) ss = dot4(h[c], h[c], ss);
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    const float inv = 1.f / sqrtf(ss / (float)d + eps);
+    for (int c = lane; c < d4; c += 32) {
+        const float4 v = h[c];
+        float x[4] = {v.x * inv, v.y * inv, v.z * inv, v.w * inv};
+#pragma unroll
+        for (int k = 0; k < 4; k += 2) {  // pairs (4c + k, 4c + k + 1); first is even, so pairs do not straddle it
+            const int j = 4 * c + k - first;
+            if (j >= 0) {
+                const float2 r = rot[j >> 1];
+                const float a = x[k], b = x[k + 1];
+                x[k] = a * r.x - b * r.y;
+                x[k + 1] = a * r.y + b * r.x;
+            }
+        }
+        h[c] = make_float4(x[0], x[1], x[2], x[3]);
+    }
+}
+
 // Tile blockIdx.x of query t = blockIdx.z for heads h0 = blockIdx.y · ATTEND_HEADS ..: with l_j = (q_h . kv[r_j]) ·
 // scale over its rows (-inf where r_j < 0), stats[t, h, tile] = (peak = max_j l_j, sum_j exp(l_j - peak)) and
 // part[t, h, tile] = sum_j exp(l_j - peak) · kv[r_j] (zero for a tile of masked rows). d a multiple of 4;
 // 32 · ATTEND_HEADS threads, dynamic shared memory ATTEND_HEADS · d floats. So few blocks run that each is a chain
 // of memory round trips: every phase issues all of its loads before it uses one (q, then a warp's rows, then a
-// thread's column pairs of all the tile's rows).
+// thread's column pairs of all the tile's rows). With pos not null, each head of q is first RMSNormed (no weight,
+// eps q_eps) and its trailing 2·half channels rotated by pos[t] · inv_freq, as rms_norm_rows does with pos (the
+// sum of squares in another order, times the root's reciprocal): the queries' norm_rope costs no launch of its
+// own. The block's first half threads (half <= its threads) make the rotations, after the queries in dynamic shared
+// memory, while q loads.
 extern "C" __global__ void __launch_bounds__(32 * ATTEND_HEADS) attend_rows(
         const float* __restrict__ q, const float* __restrict__ kv, const int* __restrict__ idx, int H, int K, int d,
-        float scale, float* __restrict__ part, float2* __restrict__ stats) {
+        float scale, float* __restrict__ part, float2* __restrict__ stats, const int* __restrict__ pos,
+        const float* __restrict__ inv_freq, int half, float q_eps) {
     grid_wait();
-    extern __shared__ float4 q_heads[];  // [ATTEND_HEADS][d / 4]
+    extern __shared__ float4 q_heads[];  // [ATTEND_HEADS][d / 4], then (pos) rot [half] float2
     __shared__ __align__(16) float p[ATTEND_ROWS][ATTEND_HEADS];
     __shared__ int rows[ATTEND_ROWS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, d4 = d / 4;
@@ -64,7 +94,17 @@ extern "C" __global__ void __launch_bounds__(32 * ATTEND_HEADS) attend_rows(
         const int j = j0 + threadIdx.x;
         rows[threadIdx.x] = j < K ? idx[(size_t)t * K + j] : -1;
     }
+    float2* rot = reinterpret_cast<float2*>(q_heads + ATTEND_HEADS * d4);
+    if (pos && (int)threadIdx.x < half) {
+        float s, co;
+        sincosf((float)pos[t] * inv_freq[threadIdx.x], &s, &co);
+        rot[threadIdx.x] = make_float2(co, s);
+    }
     __syncthreads();
+    if (pos) {
+        if (warp < heads) norm_rope_head(q_heads + warp * d4, d, q_eps, rot, half);
+        __syncthreads();
+    }
 
     const float4* row[ROWS_PER_WARP];  // warp w scores rows w, w + 8, ..; row 0 stands in for masked rows
 #pragma unroll
