@@ -1,0 +1,94 @@
+"""The decode step's weight-streaming kernels alone, on DeepSeek V4 Flash shapes, with cold weights.
+
+A matrix read again and again stays partly in the 50 MB L2 and times faster than inside a step, so each kernel here
+reads a different copy or expert set on every launch: the routed IQ2_XXS gate/up and Q2_K down over 256 experts
+(a new set of 6 each launch, as in a step), and `attn_q_b` and `attn_output_b` (Q8_0) over four copies. Weights are
+random valid blocks (rows repeat every 4096 rows: generating 1 GB on the host is slow, and the kernels do not care).
+Each kernel runs in a CUDA graph; the copy bandwidth that ``ds4 bench`` measures (a 4 GiB device-to-device copy),
+measured first, is the roof each GB/s figure is compared with.
+
+Usage: python benchmarks/decode_gemvs.py   (needs a GPU with the CUDA backend; a few GB of device memory)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import cupy as cp
+import numpy as np
+from ds4_backend_cuda import ops
+from ds4_bench.synthetic_device import copy_bandwidth
+
+from ds4_core.backend import Weight
+from ds4_core.quants import block_geometry, random_blocks
+
+E, F, D, PAIRS, SETS = 256, 2048, 4096, 6, 24  # Flash's experts, expert width, hidden size, experts a token
+rng = np.random.default_rng(0)
+
+
+def blocks(qtype: str, shape: tuple[int, ...]) -> cp.ndarray:
+    """Raw rows ``[prod(shape[:-1]), row bytes]`` of random valid ``qtype`` blocks, 4096 distinct rows tiled."""
+    qk, nbytes = block_geometry(qtype)
+    rows, row_bytes = int(np.prod(shape[:-1])), shape[-1] // qk * nbytes
+    distinct = cp.asarray(random_blocks(qtype, min(rows, 4096) * shape[-1] // qk, rng).reshape(-1))
+    out = cp.empty(rows * row_bytes, cp.uint8)
+    for i in range(0, out.size, distinct.size):
+        n = min(distinct.size, out.size - i)
+        out[i:i + n] = distinct[:n]
+    return out.reshape(rows, row_bytes)
+
+
+def graph_us(launches: Sequence[Callable[[], None]], reps: int = 3) -> float:
+    """Mean µs of one of ``launches``, replayed in a CUDA graph of ``reps`` rounds of all of them."""
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        for launch in launches:  # compiles and warms
+            launch()
+        stream.begin_capture()
+        for _ in range(reps):
+            for launch in launches:
+                launch()
+        graph = stream.end_capture()
+        graph.launch(stream)
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record(stream)
+        for _ in range(10):
+            graph.launch(stream)
+        end.record(stream)
+        end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end) / (10 * reps * len(launches)) * 1e3
+
+
+def call(kernel: Callable, grid: tuple, block: tuple, args: tuple) -> Callable[[], None]:
+    return lambda: kernel(grid, block, args)
+
+
+def report(name: str, us: float, nbytes: int, roof: float) -> None:
+    gbs = nbytes / us / 1e3
+    print(f"{name:28s} {us:7.2f} us {gbs:7.0f} GB/s {gbs / roof:6.0%} of copy", flush=True)
+
+
+def main() -> None:
+    roof = copy_bandwidth() / 1e9
+    print(f"copy bandwidth (read + write, as ds4 bench measures it) {roof:.0f} GB/s")
+    expert_sets = [cp.asarray(rng.choice(E, PAIRS, replace=False).astype(np.int32)) for _ in range(SETS)]
+    x = cp.asarray(rng.standard_normal((1, D)).astype(np.float32))
+    h = cp.asarray(rng.standard_normal((PAIRS, F)).astype(np.float32))
+    gate, up = (Weight(n, "IQ2_XXS", (E, F, D), blocks("IQ2_XXS", (E, F, D))) for n in ("gate", "up"))
+    down = Weight("down", "Q2_K", (E, D, F), blocks("Q2_K", (E, D, F)))
+    h_out, y_out = cp.empty((PAIRS, F), cp.float32), cp.empty((PAIRS, D), cp.float32)
+    gate_up = [call(*ops.moe_gate_up_launch(gate, up, s, x, PAIRS, 0.0, h_out, int8=True)) for s in expert_sets]
+    report("routed gate/up IQ2_XXS", graph_us(gate_up), 2 * PAIRS * gate.data.nbytes // E, roof)
+    downs = [call(*ops.moe_gemv_launch(down, s, h, 1, y_out, int8=True)) for s in expert_sets]
+    report("routed down Q2_K", graph_us(downs), PAIRS * down.data.nbytes // E, roof)
+    del gate, up, down
+    for name, rows, cols in (("attn_q_b Q8_0", 32768, 1024), ("attn_output_b Q8_0", 4096, 8192)):
+        copies = [blocks("Q8_0", (rows, cols)) for _ in range(4)]
+        xv = cp.asarray(rng.standard_normal(cols).astype(np.float32))
+        yv = cp.empty((1, rows), cp.float32)
+        launches = [call(*ops.gemv_launch(m, "Q8_0", cols, xv, 1, yv, int8=True)) for m in copies]
+        report(name, graph_us(launches), copies[0].nbytes, roof)
+
+
+if __name__ == "__main__":
+    main()
