@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 
@@ -55,6 +56,63 @@ def test_kernel_references_name_modules_and_functions_of_the_package():
         assert spec is not None and spec.origin, ref
         tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
         assert function in {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}, ref
+
+
+@functools.cache
+def _top_level_names(module: str) -> frozenset[str]:
+    """Names a module of the package binds at top level, read from its source (no import, so no CuPy)."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin, module
+    names: set[str] = set()
+    for node in ast.parse(Path(spec.origin).read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+        elif isinstance(node, ast.ImportFrom | ast.Import):
+            names |= {a.asname or a.name.split(".")[0] for a in node.names}
+    return frozenset(names)
+
+
+def test_gpu_tests_use_what_the_backend_modules_define():
+    """The GPU tests skip here, so a name they take from a module of the package that no longer defines it would
+    only fail on a GPU: every ``from ds4_backend_cuda.m import f`` and every ``alias.f`` of a module imported as
+    ``from ds4_backend_cuda import m as alias`` must name something ``m`` binds at top level."""
+    import ast
+    from pathlib import Path
+
+    package, checked = "ds4_backend_cuda", 0
+
+    def modules_imported(scope: ast.AST) -> dict[str, str]:  # alias -> module, and each imported name checked
+        nonlocal checked
+        aliases = {}
+        for node in ast.walk(scope):
+            if isinstance(node, ast.ImportFrom) and node.module == package:
+                aliases |= {a.asname or a.name: f"{package}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(package + "."):
+                for a in node.names:
+                    assert a.name in _top_level_names(node.module), f"{path.name}: {node.module}.{a.name}"
+                    checked += 1
+        return aliases
+
+    for path in sorted(Path(__file__).parent.glob("test_*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        top = modules_imported(ast.Module(body=[n for n in tree.body if not isinstance(n, ast.FunctionDef)],
+                                          type_ignores=[]))
+        for scope in (n for n in tree.body if isinstance(n, ast.FunctionDef)):  # imports inside a test are its own
+            aliases = top | modules_imported(scope)
+            for node in ast.walk(scope):
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+                    module = aliases[node.value.id]
+                    assert node.attr in _top_level_names(module), f"{path.name}:{node.lineno}: {module}.{node.attr}"
+                    checked += 1
+    assert checked > 100  # the tests do take most of what they run from the package
 
 
 def test_importing_the_plugin_and_probing_leave_cupy_unimported():
