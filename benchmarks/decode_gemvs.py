@@ -3,7 +3,7 @@
 A matrix read again and again stays partly in the 50 MB L2 and times faster than inside a step, so each kernel here
 reads a different copy or expert set on every launch: the routed IQ2_XXS gate/up and Q2_K down over 256 experts
 (a new set of 6 each launch, as in a step), and `attn_q_b` and `attn_output_b` (Q8_0) over four copies. Weights are
-random valid blocks (rows repeat every 4096 rows: generating 1 GB on the host is slow, and the kernels do not care).
+random valid blocks tiled on the device as `ds4 bench` makes them (the kernels do not care that they repeat).
 Each kernel runs in a CUDA graph; the copy bandwidth that ``ds4 bench`` measures (a 4 GiB device-to-device copy),
 measured first, is the roof each GB/s figure is compared with.
 
@@ -17,25 +17,12 @@ from collections.abc import Callable, Sequence
 import cupy as cp
 import numpy as np
 from ds4_backend_cuda import ops
-from ds4_bench.synthetic_device import copy_bandwidth
+from ds4_bench.synthetic_device import copy_bandwidth, device_blocks
 
 from ds4_core.backend import Weight
-from ds4_core.quants import block_geometry, random_blocks
 
 E, F, D, PAIRS, SETS = 256, 2048, 4096, 6, 24  # Flash's experts, expert width, hidden size, experts a token
 rng = np.random.default_rng(0)
-
-
-def blocks(qtype: str, shape: tuple[int, ...]) -> cp.ndarray:
-    """Raw rows ``[prod(shape[:-1]), row bytes]`` of random valid ``qtype`` blocks, 4096 distinct rows tiled."""
-    qk, nbytes = block_geometry(qtype)
-    rows, row_bytes = int(np.prod(shape[:-1])), shape[-1] // qk * nbytes
-    distinct = cp.asarray(random_blocks(qtype, min(rows, 4096) * shape[-1] // qk, rng).reshape(-1))
-    out = cp.empty(rows * row_bytes, cp.uint8)
-    for i in range(0, out.size, distinct.size):
-        n = min(distinct.size, out.size - i)
-        out[i:i + n] = distinct[:n]
-    return out.reshape(rows, row_bytes)
 
 
 def graph_us(launches: Sequence[Callable[[], None]], reps: int = 3) -> float:
@@ -74,8 +61,8 @@ def main() -> None:
     expert_sets = [cp.asarray(rng.choice(E, PAIRS, replace=False).astype(np.int32)) for _ in range(SETS)]
     x = cp.asarray(rng.standard_normal((1, D)).astype(np.float32))
     h = cp.asarray(rng.standard_normal((PAIRS, F)).astype(np.float32))
-    gate, up = (Weight(n, "IQ2_XXS", (E, F, D), blocks("IQ2_XXS", (E, F, D))) for n in ("gate", "up"))
-    down = Weight("down", "Q2_K", (E, D, F), blocks("Q2_K", (E, D, F)))
+    gate, up = (Weight(n, "IQ2_XXS", (E, F, D), device_blocks("IQ2_XXS", E * F, D)) for n in ("gate", "up"))
+    down = Weight("down", "Q2_K", (E, D, F), device_blocks("Q2_K", E * D, F))
     h_out, y_out = cp.empty((PAIRS, F), cp.float32), cp.empty((PAIRS, D), cp.float32)
     gate_up = [call(*ops.moe_gate_up_launch(gate, up, s, x, PAIRS, 0.0, h_out, int8=True)) for s in expert_sets]
     report("routed gate/up IQ2_XXS", graph_us(gate_up), 2 * PAIRS * gate.data.nbytes // E, roof)
@@ -83,7 +70,7 @@ def main() -> None:
     report("routed down Q2_K", graph_us(downs), PAIRS * down.data.nbytes // E, roof)
     del gate, up, down
     for name, rows, cols in (("attn_q_b Q8_0", 32768, 1024), ("attn_output_b Q8_0", 4096, 8192)):
-        copies = [blocks("Q8_0", (rows, cols)) for _ in range(4)]
+        copies = [device_blocks("Q8_0", rows, cols) for _ in range(4)]
         xv = cp.asarray(rng.standard_normal(cols).astype(np.float32))
         yv = cp.empty((1, rows), cp.float32)
         launches = [call(*ops.gemv_launch(m, "Q8_0", cols, xv, 1, yv, int8=True)) for m in copies]
