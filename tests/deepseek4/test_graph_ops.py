@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import types
+import zlib
 
 import numpy as np
 import pytest
@@ -17,6 +18,13 @@ from ds4_core import ops, ops_hc  # noqa: E402
 from ds4_core.backend import Weight  # noqa: E402
 
 RNG = np.random.default_rng(0)
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request):
+    """Each test's random data from its own name, not from the tests that ran before it in the same worker."""
+    global RNG
+    RNG = np.random.default_rng(zlib.crc32(request.node.name.encode()))
 
 
 def W(a: np.ndarray) -> Weight:
