@@ -593,9 +593,9 @@ def route_topk(logits: Any, bias: Weight | None, kind: int, k: int, normalize: b
     return idx, w
 
 
-#: Router rows a block of ``route_linear_topk`` projects (ROUTER_WARPS in ``kernels/route.cu``; its threads are the
-#: most experts it chooses among) and the formats of the rows it reads.
-_ROUTER_WARPS, _ROUTER_FORMATS = 8, {"F32": 0, "F16": 1, "BF16": 2}
+#: ``route_linear_topk``'s threads a block (the most experts it chooses among) and router rows a block
+#: (ROUTER_THREADS and ROUTER_ROWS in ``kernels/route.cu``), and the formats of the rows it reads.
+_ROUTER_THREADS, _ROUTER_ROWS, _ROUTER_FORMATS = 256, 2, {"F32": 0, "F16": 1, "BF16": 2}
 #: Per router weight (by address), the launches' counts of finished blocks per token, which the last block resets.
 _router_counts: dict[int, Any] = {}
 
@@ -607,7 +607,7 @@ def moe_gate_route(x: Any, gate: Weight, bias: Weight | None, k: int, routed_sca
     T, D = x.shape
     E = gate.shape[0]
     fmt = _ROUTER_FORMATS.get(gate.qtype)
-    if fixed_idx is not None or fmt is None or not (0 < T <= GEMV_TOKENS and 0 < k <= E <= 32 * _ROUTER_WARPS
+    if fixed_idx is not None or fmt is None or not (0 < T <= GEMV_TOKENS and 0 < k <= E <= _ROUTER_THREADS
                                                     and D % 8 == 0):
         return moe_route(linear(x, gate), bias, k, routed_scale, fixed_idx)
     count = _router_counts.get(gate.data.data.ptr)
@@ -615,7 +615,7 @@ def moe_gate_route(x: Any, gate: Weight, bias: Weight | None, k: int, routed_sca
         count = _router_counts[gate.data.data.ptr] = cp.zeros(GEMV_TOKENS, dtype=cp.int32)
     logits, idx, w = cp.empty((T, E), F32), cp.empty((T, k), dtype=cp.int32), cp.empty((T, k), F32)
     b = values_or_null(bias)
-    glue_kernel("route_linear_topk")((-(-E // _ROUTER_WARPS), T), (32 * _ROUTER_WARPS,), (
+    glue_kernel("route_linear_topk")((-(-E // _ROUTER_ROWS), T), (_ROUTER_THREADS,), (
         gate.data, _i32(fmt), cp.ascontiguousarray(x, dtype=F32), _i32(D), _i32(E), logits, count, b, _i32(0), _i32(k),
         _i32(1), F32(routed_scale), idx, w), shared_mem=4 * (E + k))
     return idx, w
