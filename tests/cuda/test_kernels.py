@@ -296,6 +296,30 @@ def test_moe_route(cuda_backend, rng, T, E, k):
         np.testing.assert_allclose(cuda_backend.to_numpy(w), want_w, rtol=1e-5)
 
 
+# (1, 256, 4096, 6): Flash's router; E = 77 leaves a block's warps idle; E = 300 is more than a block chooses among,
+# and D = 20 is not whole groups of 8 columns: both take the projection, then moe_route
+@pytest.mark.parametrize(("T", "E", "D", "k"), [(1, 256, 4096, 6), (3, 77, 512, 8), (2, 300, 256, 4), (1, 64, 20, 2)])
+@pytest.mark.parametrize("qtype", ["F16", "BF16", "F32"])
+def test_moe_gate_route(cuda_backend, rng, T, E, D, k, qtype):
+    """The router's projection and choice in one launch (the last block to finish chooses) against the projection
+    then moe_route and the numpy reference; three launches in a row, so the blocks' counts are back at 0 after each."""
+    from ds4_backend_cuda import ops
+    from ds4_model_deepseek4 import ops as dref
+
+    xp, host = cuda_backend.asarray, cuda_backend.to_numpy
+    gate_ref, gate = _pair(cuda_backend, qtype, (E, D), rng)
+    bias_ref, bias = _pair(cuda_backend, "F32", (E,), rng)
+    for _ in range(3):
+        x = rng.standard_normal((T, D), dtype=np.float32)
+        idx, w = map(host, ops.moe_gate_route(xp(x), gate, bias, k, 1.5))
+        apart_idx, apart_w = map(host, ops.moe_route(ops.linear(xp(x), gate), bias, k, 1.5))
+        np.testing.assert_array_equal(idx, apart_idx)  # random logits: no choice within the sums' rounding
+        np.testing.assert_allclose(w, apart_w, rtol=1e-5)
+        want_idx, want_w = dref.moe_gate_route(x, gate_ref, bias_ref, k, 1.5)
+        np.testing.assert_array_equal(idx, want_idx)
+        np.testing.assert_allclose(w, want_w, rtol=1e-4)
+
+
 # n = 6: the Sinkhorn matrix spans two registers per lane and is summed lane by lane; n = 2, 4: by butterflies.
 # n · D a multiple of 1024 takes the fused mix (four column slices for (4, 256), 32 for (4, 2048), and for (6, 512)
 # 48 mix rows, more than a warp's lanes); the others the unfused one. hc_pre_norm: one launch for (4, 256) and
@@ -322,6 +346,9 @@ def test_hc_and_deepseek4_ops(cuda_backend, n, D, rng):
     fused = hc.hc_pre_norm(xp(S), fn, sc, base, 20, 1e-6, 1e-6, norm)
     for g, w in zip(fused, dref.hc_pre_norm(S, fn_ref, sc_ref, base_ref, 20, 1e-6, 1e-6, norm_ref), strict=True):
         np.testing.assert_allclose(host(g), w, rtol=1e-4, atol=1e-5)
+    if hc._split_norm_fits(T, n, D):  # hc_split_norm's Sinkhorn in one lane, hc_split's in a warp: the same bits
+        for g, w in zip(fused[1:], got[1:], strict=True):
+            np.testing.assert_array_equal(host(g), host(w))
     y = rng.standard_normal((T, D), dtype=np.float32)
     np.testing.assert_allclose(host(hc.hc_post(xp(S), xp(y), got[1], got[2])),
                                ops_hc.hc_post(S, y, want[1], want[2]), rtol=1e-4, atol=1e-5)

@@ -94,10 +94,9 @@ def _split_norm(S: Any, slices: int, part: Any, scale: Weight, base: Weight, ite
                 norm_eps: float, norm: Weight) -> tuple[Any, Any, Any]:
     """(normalised collapse ``[T, D]``, post, comb) of the streams ``S`` from their mix's column slices ``part``."""
     T, n, D = S.shape
-    mix, pre, post, comb, out = (cp.empty((T, (2 + n) * n), F32), cp.empty((T, n), F32), cp.empty((T, n), F32),
-                                 cp.empty((T, n, n), F32), cp.empty((T, D), F32))
+    pre, post, comb, out = cp.empty((T, n), F32), cp.empty((T, n), F32), cp.empty((T, n, n), F32), cp.empty((T, D), F32)
     glue_kernel("hc_split_norm")((T, 2), (HC_NORM_THREADS,), (
-        mix, part, np.int32(slices), np.int32(n * D), F32(norm_eps), cp.ascontiguousarray(values(scale), dtype=F32),
+        part, np.int32(slices), np.int32(n * D), F32(norm_eps), cp.ascontiguousarray(values(scale), dtype=F32),
         cp.ascontiguousarray(values(base), dtype=F32), np.int32(iters), F32(eps), pre, post, comb, S,
         np.int32(D), cp.ascontiguousarray(values(norm), dtype=F32), out))
     return out, post, comb

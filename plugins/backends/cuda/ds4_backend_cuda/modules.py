@@ -99,7 +99,7 @@ GLUE_SOURCES: tuple[str, ...] = ("select.cu", "rows.cu", "hc.cu", "norm.cu", "at
 GLUE_KERNELS: tuple[str, ...] = ("topk_rank", "dot_rows", "mix_rows", "relu_head_sum", "indexer_scores_rows",
                                  "hc_split", "hc_split_norm", "hc_collapse", "hc_expand", "rms_norm_rows", "rope_rows",
                                  "attend_rows", "attend_merge", "attend_softmax", "route_scores", "route_weights",
-                                 "route_topk", "compress_pool", "compress_finish", "index_select",
+                                 "route_topk", "route_linear_topk", "compress_pool", "compress_finish", "index_select",
                                  "index_select_radix")
 
 

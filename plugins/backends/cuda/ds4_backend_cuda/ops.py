@@ -239,6 +239,11 @@ def values(w: Weight) -> Any:
     return dequantize_rows(w.data, w.qtype, w.shape[-1]).reshape(w.shape)
 
 
+def values_or_null(w: Weight | None) -> Any:
+    """A kernel argument for an optional small weight: its contiguous float32 values, or a null pointer."""
+    return np.uint64(0) if w is None else cp.ascontiguousarray(values(w), dtype=F32)
+
+
 def matmul_raw(x: Any, raw: Any, qtype: str, ncols: int) -> Any:
     """``x [T, ncols] @ W.T`` for raw rows ``W [R, row bytes]`` -> float32 ``[T, R]``."""
     x = cp.ascontiguousarray(x, dtype=F32)
@@ -336,7 +341,7 @@ def _norm_threads(d: int) -> int:
 
 def _norm_rows(x: Any, w: Weight | None, eps: float, y: Any, rope_args: tuple) -> None:
     d = x.shape[-1]
-    scale = np.uint64(0) if w is None else cp.ascontiguousarray(values(w), dtype=F32)
+    scale = values_or_null(w)
     glue_kernel("rms_norm_rows")((x.size // d,), (_norm_threads(d),), (
         x, scale, _i32(d), F32(eps), y, *rope_args))
 
@@ -466,7 +471,7 @@ def sparse_attention(q: Any, kv: Any, idx: Any, sinks: Weight | None, scale: flo
     then two batched cuBLAS products around one softmax launch (TF32 under the 16-bit prefill)."""
     T, H, d = q.shape
     K = idx.shape[1]
-    sink = np.uint64(0) if sinks is None else cp.ascontiguousarray(values(sinks), dtype=F32)
+    sink = values_or_null(sinks)
     if _attends_rows(q, idx):
         return _attend_rows(q, kv, idx, sink, scale, (np.uint64(0), np.uint64(0), _i32(0), F32(0)))
     q = cp.ascontiguousarray(q, dtype=F32)
@@ -518,7 +523,7 @@ def norm_rope_attention(q: Any, eps: float, kv: Any, idx: Any, sinks: Weight | N
     if not (_attends_rows(q, idx) and rope_fits and positions.size == q.shape[0]):
         q = norm_rope(q, None, eps, positions, inv_freq)
         return rope(sparse_attention(q, kv, idx, sinks, scale), positions, inv_freq, inverse=True)
-    sink = np.uint64(0) if sinks is None else cp.ascontiguousarray(values(sinks), dtype=F32)
+    sink = values_or_null(sinks)
     rope_args = (cp.ascontiguousarray(positions, dtype=cp.int32).reshape(-1),
                  cp.ascontiguousarray(inv_freq, dtype=F32), _i32(half), F32(eps))
     return _attend_rows(q, kv, idx, sink, scale, rope_args)
@@ -556,7 +561,7 @@ def route_scores(logits: Any, bias: Weight | None, kind: int) -> tuple[Any, Any]
     logits = cp.ascontiguousarray(logits, dtype=F32)
     scores, choice = cp.empty_like(logits), cp.empty_like(logits)
     if logits.size:
-        b = np.uint64(0) if bias is None else cp.ascontiguousarray(values(bias), dtype=F32)
+        b = values_or_null(bias)
         glue_kernel("route_scores")((-(-logits.size // _THREADS),), (_THREADS,), (
             logits, b, _i32(kind), _i64(logits.size), _i32(logits.shape[-1]), scores, choice))
     return scores, choice
@@ -581,10 +586,38 @@ def route_topk(logits: Any, bias: Weight | None, kind: int, k: int, normalize: b
     if not (0 < k <= E <= 1024 and T > 0):
         return None
     idx, w = cp.empty((T, k), dtype=cp.int32), cp.empty((T, k), dtype=F32)
-    b = np.uint64(0) if bias is None else cp.ascontiguousarray(values(bias), dtype=F32)
+    b = values_or_null(bias)
     glue_kernel("route_topk")((T,), (-(-E // 32) * 32,), (
         cp.ascontiguousarray(logits, dtype=F32), b, _i32(kind), _i32(E), _i32(k), _i32(int(normalize)),
         F32(routed_scale), idx, w), shared_mem=4 * (E + k))
+    return idx, w
+
+
+#: ``route_linear_topk``'s threads a block (the most experts it chooses among) and router rows a block
+#: (ROUTER_THREADS and ROUTER_ROWS in ``kernels/route.cu``), and the formats of the rows it reads.
+_ROUTER_THREADS, _ROUTER_ROWS, _ROUTER_FORMATS = 256, 2, {"F32": 0, "F16": 1, "BF16": 2}
+#: Per router weight (by address), the launches' counts of finished blocks per token, which the last block resets.
+_router_counts: dict[int, Any] = {}
+
+
+def moe_gate_route(x: Any, gate: Weight, bias: Weight | None, k: int, routed_scale: float,
+                   fixed_idx: Any = None) -> tuple[Any, Any]:
+    """:func:`moe_route` of :func:`linear` ``(x, gate)``: a decode step's few tokens choose in the launch that
+    projects them (``route_linear_topk``: the last block to finish makes the choice)."""
+    T, D = x.shape
+    E = gate.shape[0]
+    fmt = _ROUTER_FORMATS.get(gate.qtype)
+    if fixed_idx is not None or fmt is None or not (0 < T <= GEMV_TOKENS and 0 < k <= E <= _ROUTER_THREADS
+                                                    and D % 8 == 0):
+        return moe_route(linear(x, gate), bias, k, routed_scale, fixed_idx)
+    count = _router_counts.get(gate.data.data.ptr)
+    if count is None:
+        count = _router_counts[gate.data.data.ptr] = cp.zeros(GEMV_TOKENS, dtype=cp.int32)
+    logits, idx, w = cp.empty((T, E), F32), cp.empty((T, k), dtype=cp.int32), cp.empty((T, k), F32)
+    b = values_or_null(bias)
+    glue_kernel("route_linear_topk")((-(-E // _ROUTER_ROWS), T), (_ROUTER_THREADS,), (
+        gate.data, _i32(fmt), cp.ascontiguousarray(x, dtype=F32), _i32(D), _i32(E), logits, count, b, _i32(0), _i32(k),
+        _i32(1), F32(routed_scale), idx, w), shared_mem=4 * (E + k))
     return idx, w
 
 

@@ -415,9 +415,17 @@ class MoE:
             lambda: shared(x, self.ffn_gate_shexp, self.ffn_up_shexp, self.ffn_down_shexp, self.limit))
 
     def _routed(self, ops: Ops, x: Any, fixed: Any) -> Any:
-        idx, weights = ops.moe_route(ops.linear(x, self.ffn_gate_inp), self.exp_probs_b, self.k, self.scale, fixed)
+        idx, weights = fused(ops, "moe_gate_route", compose_moe_gate_route)(x, self.ffn_gate_inp, self.exp_probs_b,
+                                                                            self.k, self.scale, fixed)
         return ops.moe_experts(x, self.ffn_gate_exps, self.ffn_up_exps, self.ffn_down_exps, idx, weights,
                                self.limit)
+
+
+def compose_moe_gate_route(ops: Ops, x: Any, gate: Any, bias: Any, k: int, scale: float,
+                           fixed: Any = None) -> tuple[Any, Any]:
+    """The router from core ops, the definition of the op ``moe_gate_route``: ``x [T, D]`` projected by ``gate
+    [E, D]``, then ``moe_route`` -> (expert ids ``[T, k]``, weights ``[T, k]``)."""
+    return ops.moe_route(ops.linear(x, gate), bias, k, scale, fixed)
 
 
 def compose_shared_expert(ops: Ops, x: Any, gate: Any, up: Any, down: Any, limit: float) -> Any:

@@ -21,6 +21,7 @@ from .model import (
     compose_hc_pre_norm,
     compose_index_select,
     compose_linears,
+    compose_moe_gate_route,
     compose_norm_linear,
     compose_norm_rope,
     compose_norm_rope_attention,
@@ -94,6 +95,12 @@ def norm_rope_attention(q: Any, eps: float, kv: Any, idx: Any, sinks: Any, scale
     return compose_norm_rope_attention(_NUMPY_OPS, q, eps, kv, idx, sinks, scale, positions, inv_freq)
 
 
+def moe_gate_route(x: Any, gate: Any, bias: Any, k: int, scale: float, fixed: Any = None) -> tuple[Any, Any]:
+    """The router's projection and choice (:func:`.model.compose_moe_gate_route` over the core numpy ops), the
+    reference of backends that choose in the projection's launch."""
+    return compose_moe_gate_route(_NUMPY_OPS, x, gate, bias, k, scale, fixed)
+
+
 DEEPSEEK4_OPS: dict[str, Callable] = {
     "fp8_kv_round": fp8_kv_round,
     "fp4_hadamard_round": fp4_hadamard_round,
@@ -106,4 +113,5 @@ DEEPSEEK4_OPS: dict[str, Callable] = {
     "hc_post_pre_norm": hc_post_pre_norm,
     "norm_rope": norm_rope,
     "norm_rope_attention": norm_rope_attention,
+    "moe_gate_route": moe_gate_route,
 }

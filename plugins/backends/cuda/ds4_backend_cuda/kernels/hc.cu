@@ -8,6 +8,15 @@
 
 __device__ __forceinline__ float hc_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
+// The Sinkhorn iterations divide by a row's or column's sum as a product with its approximate reciprocal (one MUFU
+// instruction, within 1 ulp; the product within 2): an IEEE division is a dozen dependent instructions, 41 of them
+// in a row. Products and the first step's + eps are rounded explicitly, so both forms below give the same bits.
+__device__ __forceinline__ float hc_rcp(float x) {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+
 // v summed over the lanes that differ from this one in the bits FROM .. TO / 2 (powers of two).
 template <int FROM, int TO>
 __device__ __forceinline__ float butterfly_sum(float v) {
@@ -20,9 +29,7 @@ __device__ __forceinline__ float butterfly_sum(float v) {
 // N·N > 32); rows and columns are summed with shuffles in index order, as the array form sums, or, when N is a power
 // of two with N·N <= 32 (the models' 4 streams), by butterflies: log2(N) shuffles a sum instead of N, which is most
 // of the 20 iterations' time. N is a template argument so the shuffle loops unroll and overlap. (One thread per
-// token kept the iterations' divisions in one serial chain: ~25 µs per token.) The divisions are the fast
-// approximate ones (within 2 ulp): with IEEE divisions, a dozen dependent instructions 41 times, hc_split_norm's
-// Sinkhorn block took 4.9 µs on the H200 and its collapse block 3.3; now 4.0.
+// token with IEEE divisions kept them in one serial chain: ~25 µs per token.)
 template <int N>
 __device__ void hc_split_warp(const float* __restrict__ m, const float* __restrict__ scale,
                               const float* __restrict__ base, int iters, float eps, float* __restrict__ pre,
@@ -93,20 +100,75 @@ __device__ void hc_split_warp(const float* __restrict__ m, const float* __restri
     for (int h = 0; h < H; ++h) c[h] = expf(c[h] - peak[h]);
     row_sums();
 #pragma unroll
-    for (int h = 0; h < H; ++h) c[h] = __fdividef(c[h], sum[h]) + eps;
+    for (int h = 0; h < H; ++h) c[h] = __fmaf_rn(c[h], hc_rcp(sum[h]), eps);
     for (int it = 0; it < iters; ++it) {
         if (it > 0) {
             row_sums();
 #pragma unroll
-            for (int h = 0; h < H; ++h) c[h] = __fdividef(c[h], sum[h] + eps);
+            for (int h = 0; h < H; ++h) c[h] = __fmul_rn(c[h], hc_rcp(sum[h] + eps));
         }
         column_sums();
 #pragma unroll
-        for (int h = 0; h < H; ++h) c[h] = __fdividef(c[h], sum[h] + eps);
+        for (int h = 0; h < H; ++h) c[h] = __fmul_rn(c[h], hc_rcp(sum[h] + eps));
     }
 #pragma unroll
     for (int h = 0; h < H; ++h)
         if (lane + 32 * h < N * N) comb[lane + 32 * h] = c[h];
+}
+
+// hc_split_warp<4> with the Sinkhorn iterations in one lane: the 4 × 4 matrix in its registers, rows and columns
+// summed in the order of the butterflies (pairs, then the pairs' sums), so every result has the same bits, but
+// without a shuffle in the 41 dependent steps (a step is four sums, four reciprocals and 16 products, side by
+// side). Lanes 0-3 write pre and post, lane 0 comb.
+__device__ void hc_split4_lane(const float* m, const float* __restrict__ scale, const float* __restrict__ base,
+                               int iters, float eps, float* __restrict__ pre, float* __restrict__ post,
+                               float* __restrict__ comb) {
+    const int lane = threadIdx.x & 31;
+    if (lane < 4) {
+        pre[lane] = hc_sigmoid(m[lane] * scale[0] + base[lane]) + eps;
+        post[lane] = 2.f * hc_sigmoid(m[4 + lane] * scale[1] + base[4 + lane]);
+    }
+    if (lane != 0) return;
+    float c[16], sum[4];
+#pragma unroll
+    for (int e = 0; e < 16; ++e) c[e] = m[8 + e] * scale[2] + base[8 + e];
+    auto row_sums = [&]() {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) sum[r] = (c[4 * r] + c[4 * r + 1]) + (c[4 * r + 2] + c[4 * r + 3]);
+    };
+    auto column_sums = [&]() {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) sum[k] = (c[k] + c[k + 4]) + (c[k + 8] + c[k + 12]);
+    };
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {  // row softmax, then + eps: the first iteration's row step
+        const float peak = fmaxf(fmaxf(c[4 * r], c[4 * r + 1]), fmaxf(c[4 * r + 2], c[4 * r + 3]));
+#pragma unroll
+        for (int k = 0; k < 4; ++k) c[4 * r + k] = expf(c[4 * r + k] - peak);
+    }
+    float inv[4];
+    row_sums();
+#pragma unroll
+    for (int r = 0; r < 4; ++r) inv[r] = hc_rcp(sum[r]);
+#pragma unroll
+    for (int e = 0; e < 16; ++e) c[e] = __fmaf_rn(c[e], inv[e / 4], eps);
+    for (int it = 0; it < iters; ++it) {
+        if (it > 0) {
+            row_sums();
+#pragma unroll
+            for (int r = 0; r < 4; ++r) inv[r] = hc_rcp(sum[r] + eps);
+#pragma unroll
+            for (int e = 0; e < 16; ++e) c[e] = __fmul_rn(c[e], inv[e / 4]);
+        }
+        column_sums();
+#pragma unroll
+        for (int k = 0; k < 4; ++k) inv[k] = hc_rcp(sum[k] + eps);
+#pragma unroll
+        for (int e = 0; e < 16; ++e) c[e] = __fmul_rn(c[e], inv[e % 4]);
+    }
+    float4* out = reinterpret_cast<float4*>(comb);  // comb is 16-byte aligned (a token's 16 floats)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) out[r] = make_float4(c[4 * r], c[4 * r + 1], c[4 * r + 2], c[4 * r + 3]);
 }
 
 // Token t's mix row m [(2+n)·n] from the column slices of mix_slices (quant.cu): part [M + 1, slices] holds the
@@ -176,16 +238,16 @@ extern "C" __global__ void hc_split(float* __restrict__ mix, const float* __rest
 // hc_split with the slices, then the collapse c = sum_i pre_i · S_i of the streams S [T, n, D] and its RMSNorm with
 // weight w -> out [T, D]; grid (T, 2). Block (t, 0): warp 0 makes the mix row (in shared memory) and pre; every
 // thread loads its column quads of all streams at once (one memory round trip; a loop over streams and columns
-// waited for each load in turn), collapses and normalises them. Block (t, 1) makes the mix row too and runs the
-// Sinkhorn iterations (pre, post and comb into global memory): only the sub-layer's end needs them, so its 20
-// dependent iterations run beside the collapse instead of after it. Three launches of a decode step's
+// waited for each load in turn), collapses and normalises them. Block (t, 1) makes the mix row too (in shared
+// memory) and runs the Sinkhorn iterations in one lane (hc_split4_lane; pre, post and comb into global memory):
+// only the sub-layer's end needs them, so its 20 dependent iterations run beside the collapse instead of after it. Three launches of a decode step's
 // hyper-connection became one. HC_NORM_THREADS threads (the registers of the Sinkhorn and the slice sums), D a
 // multiple of 4 up to 4 · HC_QUADS · HC_NORM_THREADS; n = HC_NORM_STREAMS, the models' 4.
 #define HC_QUADS 4
 #define HC_NORM_THREADS 256
-#define HC_NORM_STREAMS 4
+#define HC_NORM_STREAMS 4  // hc_split4_lane's
 extern "C" __global__ void __launch_bounds__(HC_NORM_THREADS) hc_split_norm(
-        float* __restrict__ mix, const float* __restrict__ part, int slices, int K, float norm_eps,
+        const float* __restrict__ part, int slices, int K, float norm_eps,
         const float* __restrict__ scale, const float* __restrict__ base, int iters, float eps, float* __restrict__ pre,
         float* __restrict__ post, float* __restrict__ comb, const float* __restrict__ S, int D,
         const float* __restrict__ w, float* __restrict__ out) {
@@ -196,10 +258,9 @@ extern "C" __global__ void __launch_bounds__(HC_NORM_THREADS) hc_split_norm(
     const float* p = part + (size_t)t * (M + 1) * slices;
     if (blockIdx.y == 1) {
         if (warp == 0) {
-            float* m = mix + (size_t)t * M;
-            hc_mix_row(m, p, M, slices, K, norm_eps);
-            hc_split_warp<N>(m, scale, base, iters, eps, pre + (size_t)t * N, post + (size_t)t * N,
-                             comb + (size_t)t * N * N);
+            hc_mix_row(row, p, M, slices, K, norm_eps);
+            hc_split4_lane(row, scale, base, iters, eps, pre + (size_t)t * N, post + (size_t)t * N,
+                           comb + (size_t)t * N * N);
         }
         return;
     }

@@ -1,5 +1,7 @@
 // MoE router arithmetic around the device top-k, one launch each instead of about a dozen array operations, or one
-// launch in all (route_topk).
+// launch in all (route_topk), or with the router's projection too (route_linear_topk).
+
+#include <cuda_fp16.h>
 
 __device__ __forceinline__ float route_score(float l, int kind) {
     return kind == 0 ? sqrtf(l > 20.f ? l : log1pf(expf(fminf(l, 20.f)))) : 1.f / (1.f + expf(-l));
@@ -31,20 +33,18 @@ extern "C" __global__ void route_weights(const float* __restrict__ scores, const
     }
 }
 
-// route_scores, topk_rank (select.cu) and route_weights for one token per block, E <= blockDim.x experts: thread i
-// scores expert i, ranks its choice among the block's in shared memory (ties to the lower index, NaN as -inf) and,
-// when the rank is below k, writes id and score to that place; the first k threads then weigh the chosen scores as
-// route_weights does, in the same order. idx, w [T, k]; dynamic shared memory E + k floats.
-extern "C" __global__ void route_topk(const float* __restrict__ logits, const float* __restrict__ bias, int kind,
-                                      int E, int k, int normalize, float scale, int* __restrict__ idx,
-                                      float* __restrict__ w) {
-    grid_wait();
-    extern __shared__ float choice[];  // [E], then the chosen scores [k]
-    float* chosen = choice + E;
-    const int t = blockIdx.x, i = threadIdx.x;
+// route_scores, topk_rank (select.cu) and route_weights for token t's logits l [E] by one block, E <= blockDim.x
+// experts: thread i scores expert i, ranks its choice among the block's in shared memory (ties to the lower index,
+// NaN as -inf) and, when the rank is below k, writes id and score to that place; the first k threads then weigh the
+// chosen scores as route_weights does, in the same order. The logits are read through L2 (they may come from other
+// blocks of the same launch). choice: shared memory of E + k floats.
+__device__ void route_choose(const float* __restrict__ l, const float* __restrict__ bias, int kind, int E, int k,
+                             int normalize, float scale, int* __restrict__ idx, float* __restrict__ w, float* choice) {
+    float* chosen = choice + E;  // the chosen scores [k]
+    const int i = threadIdx.x;
     float s = 0.f, c = NEG_INF;
     if (i < E) {
-        s = route_score(logits[(size_t)t * E + i], kind);
+        s = route_score(__ldcg(l + i), kind);
         c = rank_key(bias ? s + bias[i] : s);
         choice[i] = c;
     }
@@ -57,13 +57,104 @@ extern "C" __global__ void route_topk(const float* __restrict__ logits, const fl
     for (; j < E; ++j) rank[0] += (choice[j] > c) | ((choice[j] == c) & (j < i));
     const int r = rank[0] + rank[1] + rank[2] + rank[3];
     if (i < E && r < k) {
-        idx[(size_t)t * k + r] = i;
+        idx[r] = i;
         chosen[r] = s;
     }
     __syncthreads();
     if (i < k) {
         float sum = 0.f;
         for (int q = 0; q < k; ++q) sum += chosen[q];
-        w[(size_t)t * k + i] = (normalize ? chosen[i] / (sum + 1e-20f) : chosen[i]) * scale;
+        w[i] = (normalize ? chosen[i] / (sum + 1e-20f) : chosen[i]) * scale;
     }
+}
+
+// route_choose for token t = blockIdx.x of logits [T, E]; idx, w [T, k]; dynamic shared memory E + k floats.
+extern "C" __global__ void route_topk(const float* __restrict__ logits, const float* __restrict__ bias, int kind,
+                                      int E, int k, int normalize, float scale, int* __restrict__ idx,
+                                      float* __restrict__ w) {
+    grid_wait();
+    extern __shared__ float choice[];
+    const size_t t = blockIdx.x;
+    route_choose(logits + t * E, bias, kind, E, k, normalize, scale, idx + t * k, w + t * k, choice);
+}
+
+// acc plus the 16 bytes q of a router row times the columns of x under them, a and b: eight F16 (fmt 1) or BF16
+// (fmt 2) weights, as quant.cu's formats read them, or four F32 (fmt 0) with a alone.
+__device__ __forceinline__ float router_dot16(uint4 q, int fmt, float4 a, float4 b, float acc) {
+    const unsigned h[4] = {q.x, q.y, q.z, q.w};
+    if (fmt == 0)
+        return fmaf(__uint_as_float(h[0]), a.x, fmaf(__uint_as_float(h[1]), a.y,
+                    fmaf(__uint_as_float(h[2]), a.z, fmaf(__uint_as_float(h[3]), a.w, acc))));
+    const float xs[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned lo = h[i] & 0xFFFFu, hi = h[i] >> 16;
+        acc = fmaf(fmt == 1 ? __half2float(__ushort_as_half((unsigned short)lo)) : __uint_as_float(lo << 16),
+                   xs[2 * i], acc);
+        acc = fmaf(fmt == 1 ? __half2float(__ushort_as_half((unsigned short)hi)) : __uint_as_float(hi << 16),
+                   xs[2 * i + 1], acc);
+    }
+    return acc;
+}
+
+// The router of a few tokens in one launch: logits[t, e] = W[e] . x[t] for the E experts (W's rows of D columns, D a
+// multiple of 8, in format fmt as router_dot16 reads them); then the last block of token t = blockIdx.y to finish
+// (count[t] in global memory counts them, and that block sets it back to 0) makes the choice as route_topk does. A
+// launch and the logits' round trip fewer than a GEMV, then route_topk.
+// A block projects ROUTER_ROWS rows, each split over ROUTER_SPLIT warps, and a lane loads ROUTER_BATCH 16-byte words
+// and the columns of x under them before it uses them: Flash's 8 KB rows take one batch, so the projection waits on
+// memory about once (a warp a row, loading as it went, took 12.3 us on the H200).
+// grid (ceil(E / ROUTER_ROWS), T), ROUTER_THREADS threads, E <= ROUTER_THREADS; dynamic shared memory E + k floats.
+#define ROUTER_THREADS 256
+#define ROUTER_ROWS 2
+#define ROUTER_SPLIT (ROUTER_THREADS / 32 / ROUTER_ROWS)
+#define ROUTER_BATCH 8
+extern "C" __global__ void __launch_bounds__(ROUTER_THREADS) route_linear_topk(
+        const unsigned char* __restrict__ W, int fmt, const float* __restrict__ x, int D, int E,
+        float* __restrict__ logits, int* __restrict__ count, const float* __restrict__ bias, int kind, int k,
+        int normalize, float scale, int* __restrict__ idx, float* __restrict__ w) {
+    grid_wait();
+    extern __shared__ float choice[];
+    __shared__ float part[ROUTER_THREADS / 32];
+    __shared__ int last;
+    const int t = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int e = blockIdx.x * ROUTER_ROWS + warp / ROUTER_SPLIT;
+    float acc = 0.f;
+    if (e < E) {
+        const uint4* row = reinterpret_cast<const uint4*>(W + (size_t)e * D * (fmt == 0 ? 4 : 2));
+        const float4* xt = reinterpret_cast<const float4*>(x + (size_t)t * D);
+        const int n = D / (fmt == 0 ? 4 : 8), step = 32 * ROUTER_SPLIT;  // the row's 16-byte words
+        for (int u0 = (warp % ROUTER_SPLIT) * 32 + lane; u0 < n; u0 += step * ROUTER_BATCH) {
+            uint4 q[ROUTER_BATCH];
+            float4 a[ROUTER_BATCH], b[ROUTER_BATCH];
+#pragma unroll
+            for (int j = 0; j < ROUTER_BATCH; ++j) {
+                const int u = u0 + j * step;
+                const bool in = u < n;
+                q[j] = in ? __ldcs(row + u) : make_uint4(0u, 0u, 0u, 0u);
+                a[j] = in ? xt[fmt == 0 ? u : 2 * u] : make_float4(0.f, 0.f, 0.f, 0.f);
+                b[j] = in && fmt != 0 ? xt[2 * u + 1] : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+            for (int j = 0; j < ROUTER_BATCH; ++j) acc = router_dot16(q[j], fmt, a[j], b[j], acc);
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (lane == 0) part[warp] = acc;
+    __syncthreads();
+    const int r = blockIdx.x * ROUTER_ROWS + threadIdx.x;
+    if (threadIdx.x < ROUTER_ROWS && r < E) {
+        float s = 0.f;
+        for (int i = 0; i < ROUTER_SPLIT; ++i) s += part[threadIdx.x * ROUTER_SPLIT + i];
+        logits[(size_t)t * E + r] = s;
+        __threadfence();  // visible to the block that counts last
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(count + t, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    if (threadIdx.x == 0) count[t] = 0;  // every block has counted: ready for the next launch
+    __threadfence();
+    route_choose(logits + (size_t)t * E, bias, kind, E, k, normalize, scale, idx + (size_t)t * k, w + (size_t)t * k,
+                 choice);
 }
