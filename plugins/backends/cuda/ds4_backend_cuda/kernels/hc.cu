@@ -236,12 +236,12 @@ extern "C" __global__ void hc_split(float* __restrict__ mix, const float* __rest
 }
 
 // hc_split with the slices, then the collapse c = sum_i pre_i · S_i of the streams S [T, n, D] and its RMSNorm with
-// weight w -> out [T, D]; grid (T, 2). Block (t, 0): warp 0 makes the mix row (in shared memory) and pre; every
-// thread loads its column quads of all streams at once (one memory round trip; a loop over streams and columns
-// waited for each load in turn), collapses and normalises them. Block (t, 1) makes the mix row too (in shared
-// memory) and runs the Sinkhorn iterations in one lane (hc_split4_lane; pre, post and comb into global memory):
-// only the sub-layer's end needs them, so its 20 dependent iterations run beside the collapse instead of after it. Three launches of a decode step's
-// hyper-connection became one. HC_NORM_THREADS threads (the registers of the Sinkhorn and the slice sums), D a
+// weight w -> out [T, D]; grid (T, 2). Block (t, 0): warp 0 makes the mix row (in shared memory) and pre; every thread
+// loads its column quads of all streams at once (one memory round trip; a loop over streams and columns waited for each
+// load in turn), collapses and normalises them. Block (t, 1) makes the mix row too (in shared memory) and runs the
+// Sinkhorn iterations in one lane (hc_split4_lane; pre, post and comb into global memory): only the sub-layer's end
+// needs them, so its 20 dependent iterations run beside the collapse instead of after it. Three launches of a decode
+// step's hyper-connection became one. HC_NORM_THREADS threads (the registers of the Sinkhorn and the slice sums), D a
 // multiple of 4 up to 4 · HC_QUADS · HC_NORM_THREADS; n = HC_NORM_STREAMS, the models' 4.
 #define HC_QUADS 4
 #define HC_NORM_THREADS 256
