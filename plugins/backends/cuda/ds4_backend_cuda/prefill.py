@@ -53,7 +53,7 @@ _THREADS = 256
 _MMA_TILE = 64  # rows and tokens of a moe_mma16 tile, and its column step (MMA_BM, MMA_BN, MMA_BK in prefill.cu)
 _TILE_ALIGN = 128  # tile rows rounded down to a multiple of this (cuBLAS tile shapes)
 
-_amax = cp.ReductionKernel("float32 x", "float32 y", "fabsf(x)", "fmaxf(a, b)", "y = a", "0", "ds4_amax")
+_AMAX_BLOCKS = 1024  # blocks of amax_abs: enough to stream a chunk's activations at full bandwidth
 
 
 def _i32(v: int) -> np.int32:
@@ -102,7 +102,7 @@ def warm(qtypes: tuple[str, ...]) -> None:
             _kernel(qtype, f"dequant16<{qtype}, {o}>")
             for nw in (1, 2):
                 _kernel(qtype, f"moe_mma16<{qtype}, {o}, {nw}>")
-    for name in ("gather16", "scatter_pairs",
+    for name in ("gather16", "scatter_pairs", "amax_abs",
                  *(f"{k}<{o}>" for k in ("to16", "swiglu16", "rows_to16") for o in _OUT_TYPE.values())):
         _shared(name)
 
@@ -136,10 +136,11 @@ def to16(x: Any, half: str) -> tuple[Any, Any]:
     normal numbers. The pair is the ``alpha, beta`` of a GEMM that undoes s.
     """
     out = cp.empty(x.shape, dtype=cp.uint16)
-    alpha_beta = cp.empty(2, dtype=F32)
+    alpha_beta, amax = cp.empty(2, dtype=F32), cp.zeros(1, dtype=F32)
     n = x.size
-    _shared(f"to16<{_OUT_TYPE[half]}>")((max(1, -(-n // _THREADS)),), (_THREADS,),
-                                        (x, _i64(n), _amax(x), out, alpha_beta))
+    _shared("amax_abs")((max(1, min(_AMAX_BLOCKS, -(-n // (4 * _THREADS)))),), (_THREADS,), (x, _i64(n), amax))
+    _shared(f"to16<{_OUT_TYPE[half]}>")((max(1, -(-n // (8 * _THREADS))),), (_THREADS,),
+                                        (x, _i64(n), amax, out, alpha_beta))
     return out, alpha_beta
 
 
