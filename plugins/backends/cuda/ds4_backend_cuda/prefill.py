@@ -195,6 +195,29 @@ def per_token_products(a: Any, b: Any, transpose_b: bool, tf32: bool) -> Any:
     return out
 
 
+def gemm_rows(a: int, lda: int, b: int, ldb: int, c: int, ldc: int, m: int, n: int, k: int, *, transpose_b: bool,
+              batch: int = 1, strides: tuple[int, int, int] = (0, 0, 0), accumulate: bool = False,
+              tf32: bool = False) -> None:
+    """Row-major float32 products at device addresses, batched: ``C_i = A_i @ B_i`` (``B_i [k, n]``) or with
+    ``transpose_b`` ``A_i @ B_i.T`` (``B_i [n, k]``), ``A_i [m, k]``, ``C_i [m, n]`` (plus ``C_i`` when
+    ``accumulate``); ``ld*`` are row strides and ``strides`` the batch strides of A, B and C, in floats (0: every
+    product reads the same matrix, and the matrices of different products may overlap). ``tf32``: tensor cores with
+    TF32 inputs."""
+    scalars = cp.asarray([1.0, 1.0 if accumulate else 0.0], dtype=F32)
+    handle = cp.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+    mode = cublas.getPointerMode(handle)
+    cublas.setPointerMode(handle, _POINTER_MODE_DEVICE)
+    sa, sb, sc = strides
+    try:  # column-major: C_i.T = op(B_i.T) @ A_i.T
+        cublas.gemmStridedBatchedEx(handle, _OP_T if transpose_b else _OP_N, _OP_N, n, m, k, scalars.data.ptr, b,
+                                    _CUDA_R_32F, ldb, sb, a, _CUDA_R_32F, lda, sa, scalars.data.ptr + 4, c,
+                                    _CUDA_R_32F, ldc, sc, batch, _COMPUTE_32F_TF32 if tf32 else _COMPUTE_32F,
+                                    _GEMM_DEFAULT)
+    finally:
+        cublas.setPointerMode(handle, mode)
+
+
 def _tile_rows(nrows: int, ncols: int) -> int:
     rows = max(1, TILE_ELEMS // ncols)
     if rows >= _TILE_ALIGN:
