@@ -97,6 +97,27 @@ def test_prefill_linear_odd_float_widths(cuda_backend, qtype, rng):
     assert np.all(np.abs(got - ref.linear(x, w_ref)) <= _linear_bound(x, w_ref.data, _unit(qtype)))
 
 
+@pytest.mark.parametrize("qtype", ["IQ2_XXS", "Q8_0", "MXFP4", "Q2_K", "Q4_K"])
+def test_dequantize16_rounds_the_oracle_once(cuda_backend, qtype, rng):
+    """16-bit weight tiles are the oracle's values rounded once: bit for bit where float32 holds them exactly
+    (IQ2_XXS's scale times grid, Q8_0, MXFP4); for d·sc·q - dmin·m formats the kernels may fuse the float32
+    multiply and subtract, so within one unit in the last place plus that float32 rounding."""
+    from ds4_backend_cuda import prefill
+
+    w_ref, w = _pair(cuda_backend, qtype, (48, 512), rng)
+    half = prefill.half_of(qtype)
+    out = cuda_backend.asarray(np.zeros((48, 512), dtype=np.uint16))
+    prefill.dequantize16(w.data, qtype, 512, half, out)
+    bits = cuda_backend.to_numpy(out)
+    got = (bits.view(np.float16).astype(np.float64) if half == "f16"
+           else (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64))
+    want = _round16(w_ref.data, half)
+    if qtype in ("IQ2_XXS", "Q8_0", "MXFP4"):
+        np.testing.assert_array_equal(got, want)
+    else:
+        assert np.all(np.abs(got - want) <= 2 * UNIT[half] * np.abs(want) + 2.0**-22 * np.abs(w_ref.data).max())
+
+
 def test_prefill_linear_scales_activations_out_of_fp16_range(cuda_backend, rng):
     """Activations of 1e6 (fp16 overflows at 65504) and 1e-6 (subnormal) keep their precision."""
     from ds4_backend_cuda import prefill

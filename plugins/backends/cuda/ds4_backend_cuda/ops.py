@@ -526,14 +526,16 @@ def window_attention(q: Any, kv: Any, first: int, window: int, comp_start: int, 
     if whole == 0:
         return out
     B, W = _WINDOW_BLOCK, window
-    L = B + W - 1  # the band of a block of queries
+    # A block's band (its B + W - 1 rows) and the score rows are padded to multiples of 4 floats: 16-byte aligned
+    # operands keep cuBLAS on its vector kernels (odd strides took its align1 ones).
+    L = -(-(B + W - 1) // 4) * 4
     pad = max(0, -first)  # zero rows in front of the window's, so that every band starts at a row
     s0 = first + pad  # the band of query 0 starts at row s0 of the padded rows
-    kw = cp.zeros((s0 + whole + W - 1, d), dtype=F32)
+    kw = cp.zeros((s0 + whole - B + L, d), dtype=F32)
     n_copy = min(kv.shape[0], kw.shape[0] - pad)
     kw[pad:pad + n_copy] = kv[:n_copy]
     lim = np.uint64(0) if limit is None else cp.ascontiguousarray(limit, dtype=cp.int32).reshape(-1)
-    sink, ldp, tf32 = values_or_null(sinks), L + n_comp, tensor_core_prefill()
+    sink, ldp, tf32 = values_or_null(sinks), L + -(-n_comp // 4) * 4, tensor_core_prefill()
     per_pass = max(1, ATTEND_TOKENS // B)
     for b0 in range(0, whole // B, per_pass):
         nb = min(per_pass, whole // B - b0)
@@ -548,7 +550,7 @@ def window_attention(q: Any, kv: Any, first: int, window: int, comp_start: int, 
             gemm_rows(qa, d, comp, d, p.data.ptr + 4 * L, ldp, B * H, n_comp, d, transpose_b=True, batch=nb,
                       strides=(B * H * d, 0, B * H * ldp), tf32=tf32)
         glue_kernel("window_softmax")((-(-rows // 8),), (256,), (
-            p, _i32(ldp), _i32(B), _i32(H), _i32(W), _i32(n_comp), _i32(t0), _i32(s0), _i32(pad), lim,
+            p, _i32(ldp), _i32(B), _i32(L), _i32(H), _i32(W), _i32(n_comp), _i32(t0), _i32(s0), _i32(pad), lim,
             sink, F32(scale), _i64(rows)))
         gemm_rows(p.data.ptr, ldp, band, d, oa, d, B * H, d, L, transpose_b=False, batch=nb,
                   strides=(B * H * ldp, B * d, B * H * d), tf32=tf32)

@@ -102,7 +102,7 @@ def warm(qtypes: tuple[str, ...]) -> None:
             _kernel(qtype, f"dequant16<{qtype}, {o}>")
             for nw in (1, 2):
                 _kernel(qtype, f"moe_mma16<{qtype}, {o}, {nw}>")
-    for name in ("gather16", "scatter_pairs", "amax_abs",
+    for name in ("gather16", "scatter_pairs", "sum_pairs", "amax_abs",
                  *(f"{k}<{o}>" for k in ("to16", "swiglu16", "rows_to16") for o in _OUT_TYPE.values())):
         _shared(name)
 
@@ -302,7 +302,7 @@ def _moe_pass(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, idx
     starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
     active = np.argsort(-counts, kind="stable")
     active = active[counts[active] > 0]
-    ypairs = cp.zeros((T * k, D), dtype=F32)
+    ypairs = cp.empty((T * k, D), dtype=F32)  # rows of slots without an expert stay unwritten and unread
     if active.size and _fused(gate_exps, up_exps, down_exps):
         _moe_fused(x, gate_exps, up_exps, down_exps, pairs, counts, starts, active, k, weights, swiglu_limit, ypairs)
     elif active.size:
@@ -327,7 +327,9 @@ def _moe_pass(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, idx
             _expert_group(x16, alpha_beta, one_zero, gate_exps, up_exps, down_exps, experts[a:b], seg_off[a:b],
                           seg_cnt[a:b], m_pad, pairs, k, weights, swiglu_limit, gu_half, down_half,
                           (w_gu, w_down, xp, gu, h, hs, y), ypairs)
-    return ypairs.reshape(T, k, D).sum(axis=1)
+    out = cp.empty((T, D), dtype=F32)
+    _shared("sum_pairs")((-(-D // (4 * _THREADS)), T), (_THREADS,), (ypairs, flat, _i32(k), _i32(E), _i32(D), out))
+    return out
 
 
 def _fused(gate_exps: Weight, up_exps: Weight, down_exps: Weight) -> bool:

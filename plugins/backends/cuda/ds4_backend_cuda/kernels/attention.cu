@@ -269,18 +269,18 @@ extern "C" __global__ void attend_softmax(float* __restrict__ dots, const int* _
 }
 
 // The prefill's window attention weights, in place, between window_attention's (ops.py) two products: p [rows, ldp]
-// holds, for row (b, i, h) = (b · B + i) · H + h, query t = t0 + b · B + i's head h scores over the L = B + W - 1 rows
-// of its block's band (columns 0 .. L - 1: padded window rows s0 + t0 + b · B + c) and the C compressed rows
+// holds, for row (b, i, h) = (b · B + i) · H + h, query t = t0 + b · B + i's head h scores over the L >= B + W - 1
+// rows of its block's band (columns 0 .. L - 1: padded window rows s0 + t0 + b · B + c) and the C compressed rows
 // (columns L ..). Column c < L is the query's when i <= c < i + W and its padded row is not padding (>= pad);
 // column L + w when w < limit[t] (limit null: C = 0). Each is scaled, then softmax-ed with the sink in the
 // denominator; every other column becomes 0, so the second product reads the band whole. One warp per row.
-extern "C" __global__ void window_softmax(float* __restrict__ p, int ldp, int B, int H, int W, int C, int t0, int s0,
-                                          int pad, const int* __restrict__ limit,
+extern "C" __global__ void window_softmax(float* __restrict__ p, int ldp, int B, int L, int H, int W, int C, int t0,
+                                          int s0, int pad, const int* __restrict__ limit,
                                           const float* __restrict__ sinks, float scale, long long rows) {
     grid_wait();
     const long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (r >= rows) return;  // whole warps leave together
-    const int lane = threadIdx.x & 31, h = (int)(r % H), i = (int)(r / H % B), L = B + W - 1;
+    const int lane = threadIdx.x & 31, h = (int)(r % H), i = (int)(r / H % B);
     const long long block_first = r / H - i;  // b · B
     const int t = t0 + (int)block_first + i;
     const int lim = limit ? limit[t] : 0, base = s0 + t0 + (int)block_first;
