@@ -79,8 +79,10 @@ struct Decode32<IQ2_XXS, Half> {
     }
 };
 
-// Q2_K: d and dmin read once for the 32 columns (two 16-value scale groups, one 2-bit plane of one half-block), the
-// same arithmetic as Q2_K::decode.
+// Q2_K: d and dmin read once for the 32 columns (two 16-value scale groups of one 2-bit plane). A group's four
+// values a * q - o (q = 0 .. 3) are computed and rounded once, and each pair of weights is picked from them by one
+// prmt whose selector its two codes make (nibbles 2q, 2q + 1 of each): about half the instructions of decoding and
+// rounding every weight, the same bits.
 template <class O>
 struct Decode32<Q2_K, O> {
     static __device__ __forceinline__ void run(const u8* base, int c, uint4* out) {
@@ -89,14 +91,21 @@ struct Decode32<Q2_K, O> {
         const u8* q = b + 16 + 32 * (e0 / 128);
         const float d = half_at(b + 80), dmin = half_at(b + 82);
 #pragma unroll
-        for (int k = 0; k < 4; k++) {
-            const u8 packed = b[e0 / 16 + k / 2];
+        for (int g = 0; g < 2; g++) {
+            const u8 packed = b[e0 / 16 + g];
             const float a = d * (float)(packed & 0xF), o = dmin * (float)(packed >> 4);
-            const u32 w[2] = {(u32_at(q + 8 * k) >> shift) & 0x03030303u, (u32_at(q + 8 * k + 4) >> shift) & 0x03030303u};
-            float v[8];
+            const u32 lo = O::from2(-o, fmaf(a, 1.f, -o)), hi = O::from2(fmaf(a, 2.f, -o), fmaf(a, 3.f, -o));
 #pragma unroll
-            for (int i = 0; i < 8; i++) v[i] = a * byte_float(w[i / 4], i % 4) - o;
-            out[k] = pack8<O>(v);
+            for (int k = 2 * g; k < 2 * g + 2; k++) {
+                u32 pick[4];
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const u32 codes = (u32_at(q + 8 * k + 4 * h) >> shift) & 0x03030303u;  // a code a byte
+                    pick[2 * h] = __byte_perm(lo, hi, codes * 0x22u + 0x1010u);
+                    pick[2 * h + 1] = __byte_perm(lo, hi, (codes >> 16) * 0x22u + 0x1010u);
+                }
+                out[k] = make_uint4(pick[0], pick[1], pick[2], pick[3]);
+            }
         }
     }
 };
