@@ -65,15 +65,13 @@ extern "C" __global__ void rope_rows(const float* __restrict__ x, const int* __r
     grid_wait();
     const long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= n) return;
-    // 32-bit division where the elements allow (64-bit division is a long software routine)
-    const bool narrow = n <= 0x7FFFFFFF;
-    const long long row = narrow ? (long long)((int)e / d) : e / d;
-    const int c = (int)(e - row * d);
+    const int c = (int)(e % d);
     const int j = c - (d - 2 * half);
     if (j < 0) {
         y[e] = x[e];
         return;
     }
+    const long long row = e / d;
     const float angle = (float)pos[row / rows_per_token] * inv_freq[j >> 1];
     float s, co;
     sincosf(angle, &s, &co);
