@@ -8,7 +8,7 @@ for "usable" is a fresh session on an intact engine given the same tokens: its l
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -138,17 +138,20 @@ def interrupt_at(deepseek, monkeypatch):
     has written this chunk's rows into the state."""
 
     def arm(n: int) -> None:
-        attention = deepseek.ops._kernels["norm_rope_attention"]  # the fused op the graph calls (numpy has it)
         calls = 0
 
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            nonlocal calls
-            calls += 1
-            if calls == n:
-                raise KeyboardInterrupt  # what Ctrl-C raises there (not a signal: CI may run with SIGINT ignored)
-            return attention(*args, **kwargs)
+        def counted(attention: Callable[..., Any]) -> Callable[..., Any]:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                nonlocal calls
+                calls += 1
+                if calls == n:
+                    raise KeyboardInterrupt  # what Ctrl-C raises there (not a signal: CI may run with SIGINT ignored)
+                return attention(*args, **kwargs)
+            return call
 
-        monkeypatch.setitem(deepseek.ops._kernels, "norm_rope_attention", counted)
+        # the fused ops the graph calls (numpy has them): a prefill's attention, and a step's or chosen rows'
+        for name in ("window_attention", "norm_rope_attention"):
+            monkeypatch.setitem(deepseek.ops._kernels, name, counted(deepseek.ops._kernels[name]))
 
     return arm
 

@@ -230,6 +230,35 @@ def test_sparse_attention_at_decode_shapes(cuda_backend, T, K, d, rng):
     np.testing.assert_allclose(got, ref.sparse_attention(q, kv, idx, sinks_ref, d ** -0.5), rtol=1e-4, atol=1e-5)
 
 
+# (T, n_prev, n_comp): whole blocks of 64 queries and a rest (by row lists), a window reaching before the first row
+# or not, compressed rows or none, a few tokens; two passes of blocks with ATTEND_TOKENS at 64; TF32 products
+@pytest.mark.parametrize(("T", "n_prev", "n_comp", "passes", "tf32"), [
+    (200, 7, 30, False, False), (200, 7, 30, True, False), (128, 15, 0, False, False), (130, 0, 3, True, False),
+    (5, 3, 4, False, False), (200, 7, 30, True, True)])
+def test_window_attention(cuda_backend, T, n_prev, n_comp, passes, tf32, rng, monkeypatch):
+    """A prefill's window and complete compressed rows read in place (bands of 64 queries, cuBLAS, window_softmax)
+    against the numpy reference, which lists each query's rows: at float32 tolerance, or TF32's (the 16-bit
+    prefill's precision class, 10-bit mantissas)."""
+    from ds4_backend_cuda import ops
+    from ds4_model_deepseek4 import ops as dref
+
+    if passes:
+        monkeypatch.setattr(ops, "ATTEND_TOKENS", 64)
+    if tf32:
+        monkeypatch.setenv("DS4_CUDA_PREFILL", "16")
+    H, d, W = 5, 48, 16
+    first, comp_start = n_prev - W + 1, n_prev + T
+    q = rng.standard_normal((T, H, d), dtype=np.float32)
+    kv = rng.standard_normal((comp_start + n_comp, d), dtype=np.float32)
+    limit = np.minimum((np.arange(T) + n_prev + 1) // 4, n_comp).astype(np.int32) if n_comp else None
+    sinks_ref, sinks = _pair(cuda_backend, "F32", (H,), rng)
+    xp = cuda_backend.asarray
+    got = cuda_backend.to_numpy(ops.window_attention(xp(q), xp(kv), first, W, comp_start,
+                                                     None if limit is None else xp(limit), sinks, d ** -0.5))
+    want = dref.window_attention(q, kv, first, W, comp_start, limit, sinks_ref, d ** -0.5)
+    np.testing.assert_allclose(got, want, rtol=2e-2 if tf32 else 1e-4, atol=2e-3 if tf32 else 1e-5)
+
+
 # (2, 37, 68, 33): the rotated channels start at 2, inside a float4 of the queries
 @pytest.mark.parametrize(("T", "K", "d", "half"), [(1, 640, 512, 32), (3, 100, 512, 32), (1, 40, 1600, 32),
                                                    (2, 50, 42, 21), (2, 37, 68, 33)])

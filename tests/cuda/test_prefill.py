@@ -97,6 +97,27 @@ def test_prefill_linear_odd_float_widths(cuda_backend, qtype, rng):
     assert np.all(np.abs(got - ref.linear(x, w_ref)) <= _linear_bound(x, w_ref.data, _unit(qtype)))
 
 
+@pytest.mark.parametrize("qtype", ["IQ2_XXS", "Q8_0", "MXFP4", "Q2_K", "Q4_K"])
+def test_dequantize16_rounds_the_oracle_once(cuda_backend, qtype, rng):
+    """16-bit weight tiles are the oracle's values rounded once: bit for bit where float32 holds them exactly
+    (IQ2_XXS's scale times grid, Q8_0, MXFP4); for d·sc·q - dmin·m formats the kernels may fuse the float32
+    multiply and subtract, so within one unit in the last place plus that float32 rounding."""
+    from ds4_backend_cuda import prefill
+
+    w_ref, w = _pair(cuda_backend, qtype, (48, 512), rng)
+    half = prefill.half_of(qtype)
+    out = cuda_backend.asarray(np.zeros((48, 512), dtype=np.uint16))
+    prefill.dequantize16(w.data, qtype, 512, half, out)
+    bits = cuda_backend.to_numpy(out)
+    got = (bits.view(np.float16).astype(np.float64) if half == "f16"
+           else (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64))
+    want = _round16(w_ref.data, half)
+    if qtype in ("IQ2_XXS", "Q8_0", "MXFP4"):
+        np.testing.assert_array_equal(got, want)
+    else:
+        assert np.all(np.abs(got - want) <= 2 * UNIT[half] * np.abs(want) + 2.0**-22 * np.abs(w_ref.data).max())
+
+
 def test_prefill_linear_scales_activations_out_of_fp16_range(cuda_backend, rng):
     """Activations of 1e6 (fp16 overflows at 65504) and 1e-6 (subnormal) keep their precision."""
     from ds4_backend_cuda import prefill
@@ -162,3 +183,34 @@ def test_prefill_moe_matches_the_oracle(cuda_backend, gate_type, up_type, down_t
     emulated = _moe_emulated(x, g_ref.data, u_ref.data, d_ref.data, idx_dev, weights, limit, gu_half,
                              prefill.half_of(down_type))
     assert np.linalg.norm(got - emulated) <= 0.25 * np.linalg.norm(want - emulated)
+
+
+# 8 whole groups of 8; a tail of 5 past them; a view 4 bytes into its buffer (no 16-byte accesses); NaNs among them
+@pytest.mark.parametrize(("n", "offset", "nan"), [(4096 * 16, 0, False), (64 + 5, 0, False), (1003, 1, False),
+                                                 (777, 0, True)])
+@pytest.mark.parametrize("half", ["f16", "bf16"])
+def test_to16_is_the_scaled_rounding(cuda_backend, n, offset, nan, half, rng):
+    """to16's 16-bit bits are x times the power of two that puts max|x| in [2^13, 2^14), rounded to nearest even,
+    and its alpha the inverse of that power: whatever the alignment of x and the length's remainder modulo 8, with
+    NaNs skipped by the maximum as numpy's nanmax skips them."""
+    import cupy as cp
+    from ds4_backend_cuda.prefill import to16
+
+    x = (rng.standard_normal(n + offset) * 37.0).astype(np.float32)
+    if nan:
+        x[offset + 3] = np.nan
+    got, alpha_beta = to16(cp.asarray(x)[offset:], half)
+    amax = np.nanmax(np.abs(x[offset:]))
+    _, e = np.frexp(amax)
+    s = np.float32(2.0 ** min(14 - int(e), 126))
+    scaled = x[offset:] * s
+    if half == "f16":
+        want = scaled.astype(np.float16).view(np.uint16)
+    else:
+        want = (_round16(scaled, "bf16").astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    finite = ~np.isnan(scaled)
+    np.testing.assert_array_equal(cp.asnumpy(got)[finite], want[finite])
+    exp_mask, man_mask = (0x7C00, 0x03FF) if half == "f16" else (0x7F80, 0x007F)
+    nan_bits = cp.asnumpy(got)[~finite]
+    assert ((nan_bits & exp_mask) == exp_mask).all() and (nan_bits & man_mask).all()  # a NaN stays a NaN
+    np.testing.assert_array_equal(cp.asnumpy(alpha_beta), np.array([1 / s, 0], dtype=np.float32))

@@ -100,7 +100,7 @@ GLUE_KERNELS: tuple[str, ...] = ("topk_rank", "dot_rows", "mix_rows", "relu_head
                                  "hc_split", "hc_split_norm", "hc_collapse", "hc_expand", "rms_norm_rows", "rope_rows",
                                  "attend_rows", "attend_merge", "attend_softmax", "route_scores", "route_weights",
                                  "route_topk", "route_linear_topk", "compress_pool", "compress_finish", "index_select",
-                                 "index_select_radix")
+                                 "index_select_radix", "window_softmax")
 
 
 @functools.cache

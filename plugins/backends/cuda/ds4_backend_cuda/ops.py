@@ -18,7 +18,7 @@ from ds4_core.backend import Weight
 from ds4_core.errors import BackendError
 
 from .modules import INT8_TYPES, glue_kernel, quant_kernel
-from .prefill import per_token_products, prefill_linear, prefill_moe
+from .prefill import gemm_rows, per_token_products, prefill_linear, prefill_moe
 
 F32 = cp.float32
 #: Tokens per GEMV launch (MAX_TOKENS in quant.cu).
@@ -486,6 +486,77 @@ def sparse_attention(q: Any, kv: Any, idx: Any, sinks: Weight | None, scale: flo
             glue_kernel("attend_softmax")((-(-(t1 - t0) * H // 8),), (256,), (
                 p, idx[t0:t1], sink, _i32(H), _i32(K), _i64((t1 - t0) * H), F32(scale)))
         out[t0:t1] = per_token_products(p, rows, False, tensor_core_prefill())
+    return out
+
+
+#: Query tokens of one batch entry of :func:`window_attention`'s products: its band is WINDOW_BLOCK + W - 1 rows
+#: (WINDOW_BLOCK in ``kernels/attention.cu``'s ``window_softmax``, which takes the block as an argument).
+_WINDOW_BLOCK = 64
+
+
+def _window_rows(T: int, first: int, window: int, comp_start: int, n_comp: int, limit: Any) -> Any:
+    """``[T, window (+ n_comp)]`` int32 row lists of :func:`window_attention`'s queries, for the row-list path."""
+    band = first + cp.arange(T, dtype=cp.int32)[:, None] + cp.arange(window, dtype=cp.int32)[None, :]
+    parts = [cp.where(band >= 0, band, -1)]
+    if limit is not None:
+        w = cp.arange(n_comp, dtype=cp.int32)[None, :]
+        parts.append(cp.where(w < cp.asarray(limit).reshape(-1, 1), w + comp_start, -1))
+    return cp.ascontiguousarray(cp.concatenate(parts, axis=1), dtype=cp.int32)
+
+
+def window_attention(q: Any, kv: Any, first: int, window: int, comp_start: int, limit: Any,
+                     sinks: Weight | None, scale: float) -> Any:
+    """Sparse attention of a chunk over its sliding window (query ``t``: rows ``first + t ..`` of ``kv``, ``window``
+    of them, none below 0) and, with ``limit [T]``, the rows ``comp_start + w`` for ``w < limit[t]``.
+
+    Prefill reads the rows in place: the queries go by blocks of :data:`_WINDOW_BLOCK`, each multiplied on cuBLAS
+    with the band of window rows its queries share (contiguous in ``kv``) and with all the compressed rows, and one
+    launch masks and normalises the scores between the two products (``window_softmax``), so no row is gathered
+    per query (gathers were 11% of a Flash prefill). A few tokens, and the queries past the last whole block, take
+    their row lists to :func:`sparse_attention`."""
+    T, H, d = q.shape
+    n_comp = kv.shape[0] - comp_start if limit is not None else 0
+    whole = T // _WINDOW_BLOCK * _WINDOW_BLOCK if T > GEMV_TOKENS else 0
+    q, kv = cp.ascontiguousarray(q, dtype=F32), cp.ascontiguousarray(kv, dtype=F32)
+    out = cp.empty((T, H, d), dtype=F32)
+    if whole < T:
+        rest = _window_rows(T - whole, first + whole, window, comp_start, n_comp,
+                            None if limit is None else limit[whole:])
+        out[whole:] = sparse_attention(q[whole:], kv, rest, sinks, scale)
+    if whole == 0:
+        return out
+    B, W = _WINDOW_BLOCK, window
+    # A block's band (its B + W - 1 rows) and the score rows are padded to multiples of 4 floats: 16-byte aligned
+    # operands keep cuBLAS on its vector kernels (odd strides took its align1 ones).
+    L = -(-(B + W - 1) // 4) * 4
+    pad = max(0, -first)  # zero rows in front of the window's, so that every band starts at a row
+    s0 = first + pad  # the band of query 0 starts at row s0 of the padded rows
+    kw = cp.zeros((s0 + whole - B + L, d), dtype=F32)
+    n_copy = min(kv.shape[0], kw.shape[0] - pad)
+    kw[pad:pad + n_copy] = kv[:n_copy]
+    lim = np.uint64(0) if limit is None else cp.ascontiguousarray(limit, dtype=cp.int32).reshape(-1)
+    sink, ldp, tf32 = values_or_null(sinks), L + -(-n_comp // 4) * 4, tensor_core_prefill()
+    per_pass = max(1, ATTEND_TOKENS // B)
+    for b0 in range(0, whole // B, per_pass):
+        nb = min(per_pass, whole // B - b0)
+        t0, rows = b0 * B, nb * B * H
+        p = cp.empty((rows, ldp), dtype=F32)
+        qa, oa = q.data.ptr + 4 * t0 * H * d, out.data.ptr + 4 * t0 * H * d
+        band = kw.data.ptr + 4 * (s0 + t0) * d
+        comp = kv.data.ptr + 4 * comp_start * d
+        gemm_rows(qa, d, band, d, p.data.ptr, ldp, B * H, L, d, transpose_b=True, batch=nb,
+                  strides=(B * H * d, B * d, B * H * ldp), tf32=tf32)
+        if n_comp:
+            gemm_rows(qa, d, comp, d, p.data.ptr + 4 * L, ldp, B * H, n_comp, d, transpose_b=True, batch=nb,
+                      strides=(B * H * d, 0, B * H * ldp), tf32=tf32)
+        glue_kernel("window_softmax")((-(-rows // 8),), (256,), (
+            p, _i32(ldp), _i32(B), _i32(L), _i32(H), _i32(W), _i32(n_comp), _i32(t0), _i32(s0), _i32(pad), lim,
+            sink, F32(scale), _i64(rows)))
+        gemm_rows(p.data.ptr, ldp, band, d, oa, d, B * H, d, L, transpose_b=False, batch=nb,
+                  strides=(B * H * ldp, B * d, B * H * d), tf32=tf32)
+        if n_comp:
+            gemm_rows(p.data.ptr + 4 * L, ldp, comp, d, oa, d, B * H, d, n_comp, transpose_b=False, batch=nb,
+                      strides=(B * H * ldp, 0, B * H * d), accumulate=True, tf32=tf32)
     return out
 
 

@@ -53,7 +53,7 @@ _THREADS = 256
 _MMA_TILE = 64  # rows and tokens of a moe_mma16 tile, and its column step (MMA_BM, MMA_BN, MMA_BK in prefill.cu)
 _TILE_ALIGN = 128  # tile rows rounded down to a multiple of this (cuBLAS tile shapes)
 
-_amax = cp.ReductionKernel("float32 x", "float32 y", "fabsf(x)", "fmaxf(a, b)", "y = a", "0", "ds4_amax")
+_AMAX_BLOCKS = 1024  # blocks of amax_abs: enough to stream a chunk's activations at full bandwidth
 
 
 def _i32(v: int) -> np.int32:
@@ -102,7 +102,7 @@ def warm(qtypes: tuple[str, ...]) -> None:
             _kernel(qtype, f"dequant16<{qtype}, {o}>")
             for nw in (1, 2):
                 _kernel(qtype, f"moe_mma16<{qtype}, {o}, {nw}>")
-    for name in ("gather16", "scatter_pairs",
+    for name in ("gather16", "scatter_pairs", "sum_pairs", "amax_abs",
                  *(f"{k}<{o}>" for k in ("to16", "swiglu16", "rows_to16") for o in _OUT_TYPE.values())):
         _shared(name)
 
@@ -136,10 +136,11 @@ def to16(x: Any, half: str) -> tuple[Any, Any]:
     normal numbers. The pair is the ``alpha, beta`` of a GEMM that undoes s.
     """
     out = cp.empty(x.shape, dtype=cp.uint16)
-    alpha_beta = cp.empty(2, dtype=F32)
+    alpha_beta, amax = cp.empty(2, dtype=F32), cp.zeros(1, dtype=F32)
     n = x.size
-    _shared(f"to16<{_OUT_TYPE[half]}>")((max(1, -(-n // _THREADS)),), (_THREADS,),
-                                        (x, _i64(n), _amax(x), out, alpha_beta))
+    _shared("amax_abs")((max(1, min(_AMAX_BLOCKS, -(-n // (4 * _THREADS)))),), (_THREADS,), (x, _i64(n), amax))
+    _shared(f"to16<{_OUT_TYPE[half]}>")((max(1, -(-n // (8 * _THREADS))),), (_THREADS,),
+                                        (x, _i64(n), amax, out, alpha_beta))
     return out, alpha_beta
 
 
@@ -192,6 +193,29 @@ def per_token_products(a: Any, b: Any, transpose_b: bool, tf32: bool) -> Any:
     finally:
         cublas.setPointerMode(handle, mode)
     return out
+
+
+def gemm_rows(a: int, lda: int, b: int, ldb: int, c: int, ldc: int, m: int, n: int, k: int, *, transpose_b: bool,
+              batch: int = 1, strides: tuple[int, int, int] = (0, 0, 0), accumulate: bool = False,
+              tf32: bool = False) -> None:
+    """Row-major float32 products at device addresses, batched: ``C_i = A_i @ B_i`` (``B_i [k, n]``) or with
+    ``transpose_b`` ``A_i @ B_i.T`` (``B_i [n, k]``), ``A_i [m, k]``, ``C_i [m, n]`` (plus ``C_i`` when
+    ``accumulate``); ``ld*`` are row strides and ``strides`` the batch strides of A, B and C, in floats (0: every
+    product reads the same matrix, and the matrices of different products may overlap). ``tf32``: tensor cores with
+    TF32 inputs."""
+    scalars = cp.asarray([1.0, 1.0 if accumulate else 0.0], dtype=F32)
+    handle = cp.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+    mode = cublas.getPointerMode(handle)
+    cublas.setPointerMode(handle, _POINTER_MODE_DEVICE)
+    sa, sb, sc = strides
+    try:  # column-major: C_i.T = op(B_i.T) @ A_i.T
+        cublas.gemmStridedBatchedEx(handle, _OP_T if transpose_b else _OP_N, _OP_N, n, m, k, scalars.data.ptr, b,
+                                    _CUDA_R_32F, ldb, sb, a, _CUDA_R_32F, lda, sa, scalars.data.ptr + 4, c,
+                                    _CUDA_R_32F, ldc, sc, batch, _COMPUTE_32F_TF32 if tf32 else _COMPUTE_32F,
+                                    _GEMM_DEFAULT)
+    finally:
+        cublas.setPointerMode(handle, mode)
 
 
 def _tile_rows(nrows: int, ncols: int) -> int:
@@ -278,7 +302,7 @@ def _moe_pass(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, idx
     starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
     active = np.argsort(-counts, kind="stable")
     active = active[counts[active] > 0]
-    ypairs = cp.zeros((T * k, D), dtype=F32)
+    ypairs = cp.empty((T * k, D), dtype=F32)  # rows of slots without an expert stay unwritten and unread
     if active.size and _fused(gate_exps, up_exps, down_exps):
         _moe_fused(x, gate_exps, up_exps, down_exps, pairs, counts, starts, active, k, weights, swiglu_limit, ypairs)
     elif active.size:
@@ -303,7 +327,9 @@ def _moe_pass(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, idx
             _expert_group(x16, alpha_beta, one_zero, gate_exps, up_exps, down_exps, experts[a:b], seg_off[a:b],
                           seg_cnt[a:b], m_pad, pairs, k, weights, swiglu_limit, gu_half, down_half,
                           (w_gu, w_down, xp, gu, h, hs, y), ypairs)
-    return ypairs.reshape(T, k, D).sum(axis=1)
+    out = cp.empty((T, D), dtype=F32)
+    _shared("sum_pairs")((-(-D // (4 * _THREADS)), T), (_THREADS,), (ypairs, flat, _i32(k), _i32(E), _i32(D), out))
+    return out
 
 
 def _fused(gate_exps: Weight, up_exps: Weight, down_exps: Weight) -> bool:

@@ -135,6 +135,21 @@ def compose_norm_rope_attention(ops: Ops, q: Any, eps: float, kv: Any, idx: Any,
     return ops.rope(ops.sparse_attention(q, kv, idx, sinks, scale), positions, inv_freq, inverse=True)
 
 
+def compose_window_attention(ops: Ops, q: Any, kv: Any, first: int, window: int, comp_start: int, limit: Any,
+                             sinks: Any, scale: float) -> Any:
+    """A chunk's sparse attention whose rows have the prefill's shape, from core ops: the definition of the op
+    ``window_attention``. Query ``t`` of ``q [T, H, d]`` reads the rows ``first + t .. first + t + window - 1`` of
+    ``kv`` that are not negative (its sliding window), then, with ``limit [T]``, the rows ``comp_start + w`` for
+    ``w < limit[t]`` (the complete compressed rows, which follow the window's in ``kv``)."""
+    xp, T = ops.xp, q.shape[0]
+    band = first + xp.arange(T)[:, None] + xp.arange(window)[None, :]
+    parts = [xp.where(band >= 0, band, -1)]
+    if limit is not None:
+        w = xp.arange(kv.shape[0] - comp_start)[None, :]
+        parts.append(xp.where(w < limit[:, None], w + comp_start, -1))
+    return ops.sparse_attention(q, kv, xp.concatenate(parts, axis=1), sinks, scale)
+
+
 def compose_compress_step(ops: Ops, kv_row: Any, gate_row: Any, ape: Any, pos: Any, buf_kv: Any, buf_gate: Any,
                           prev_kv: Any, prev_gate: Any, rows: Any, norm: Any, eps: float, inv_freq: Any,
                           finish: RowHook | None = None) -> Any:
@@ -277,27 +292,29 @@ class Attention:
         # Raw window: the last W-1 earlier rows from the ring, then the chunk; query i sees rows (i+n_prev-W, i+n_prev].
         n_prev = min(p0, W - 1)
         keys = [ls.raw[xp.arange(p0 - n_prev, p0) % W], kv]
-        idx = n_prev - W + 1 + xp.arange(T)[:, None] + xp.arange(W)[None, :]
-        parts = [xp.where(idx >= 0, idx, -1)]
+        first = n_prev - W + 1
         keep = min(T, W)
         ls.raw[pos[T - keep:] % W] = kv[T - keep:]
-
+        limit = None
         if self.compressor is not None:
             rows = self.compressor(ops, x, pos, ls.compressor, p0, self.inv_freq, self.kv_finish)
             limit = (pos + 1) // self.m  # rows w < limit[t] are complete for query t
             offset = n_prev + T  # compressed row w is row offset + w of the keys
-            sel = None
+            keys.append(rows)
             if self.indexer is not None:
                 index_rows = self.indexer.compressor(ops, x, pos, ls.indexer, p0, self.inv_freq, self.index_finish)
-                if rows.shape[0] > self.indexer.topk:
+                if rows.shape[0] > self.indexer.topk:  # the chosen rows: a list per query
                     iq = self.indexer.queries(ops, self._q_latent(ops, q_low), pos, self.inv_freq, self.index_finish)
                     sel = self.indexer.select(ops, iq, ops.linear(x, self.indexer.proj), index_rows, limit, offset)
-            if sel is None:  # every complete row is visible
-                w = xp.arange(rows.shape[0])[None, :]
-                sel = xp.where(w < limit[:, None], w + offset, -1)
-            keys.append(rows)
-            parts.append(sel)
-        return self._attend(ops, q, xp.concatenate(keys), xp.concatenate(parts, axis=1), pos)
+                    band = first + xp.arange(T)[:, None] + xp.arange(W)[None, :]
+                    idx = xp.concatenate([xp.where(band >= 0, band, -1), sel], axis=1)
+                    return self._attend(ops, q, xp.concatenate(keys), idx, pos)
+        # every complete compressed row is visible: the rows have the window's shape
+        cfg = self.cfg
+        q = fused(ops, "norm_rope", compose_norm_rope)(q, None, cfg.rms_norm_eps, pos, self.inv_freq)
+        o = fused(ops, "window_attention", compose_window_attention)(
+            q, xp.concatenate(keys), first, W, n_prev + T, limit, self.attn_sinks, cfg.head_dim ** -0.5)
+        return self._output(ops, ops.rope(o, pos, self.inv_freq, inverse=True))
 
     def step(self, ops: Ops, x: Any, pos: Any, ls: LayerState, index: StepIndex) -> Any:
         """One token ``x [1, D]`` at the device position ``pos [1]`` -> ``[1, D]``; advances ``ls``.
@@ -378,9 +395,14 @@ class Attention:
     def _attend(self, ops: Ops, q: Any, keys: Any, idx: Any, pos: Any) -> Any:
         """The queries ``q [T, H, hd]`` normalised and RoPE'd, their sparse attention over the rows ``keys [N, hd]``
         at the indices ``idx [T, K]``, the inverse RoPE and the grouped output projection -> ``[T, D]``."""
-        cfg, T = self.cfg, q.shape[0]
+        cfg = self.cfg
         o = fused(ops, "norm_rope_attention", compose_norm_rope_attention)(
             q, cfg.rms_norm_eps, keys, idx, self.attn_sinks, cfg.head_dim ** -0.5, pos, self.inv_freq)
+        return self._output(ops, o)
+
+    def _output(self, ops: Ops, o: Any) -> Any:
+        """The grouped output projection of the attention's heads ``o [T, H, hd]`` -> ``[T, D]``."""
+        T, cfg = o.shape[0], self.cfg
         low = ops.grouped_linear(o.reshape(T, cfg.o_groups, -1), self.attn_output_a)
         return ops.linear(low.reshape(T, -1), self.attn_output_b)
 

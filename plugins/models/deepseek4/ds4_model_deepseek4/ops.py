@@ -26,6 +26,7 @@ from .model import (
     compose_norm_rope,
     compose_norm_rope_attention,
     compose_shared_expert,
+    compose_window_attention,
 )
 from .qat import fp4_hadamard_round, fp8_kv_round
 
@@ -101,6 +102,14 @@ def moe_gate_route(x: Any, gate: Any, bias: Any, k: int, scale: float, fixed: An
     return compose_moe_gate_route(_NUMPY_OPS, x, gate, bias, k, scale, fixed)
 
 
+def window_attention(q: Any, kv: Any, first: int, window: int, comp_start: int, limit: Any, sinks: Any,
+                     scale: float) -> Any:
+    """Sparse attention over a prefill's window and complete compressed rows
+    (:func:`.model.compose_window_attention` over the core numpy ops), the reference of backends that read those
+    rows in place instead of by a list per query."""
+    return compose_window_attention(_NUMPY_OPS, q, kv, first, window, comp_start, limit, sinks, scale)
+
+
 DEEPSEEK4_OPS: dict[str, Callable] = {
     "fp8_kv_round": fp8_kv_round,
     "fp4_hadamard_round": fp4_hadamard_round,
@@ -114,4 +123,5 @@ DEEPSEEK4_OPS: dict[str, Callable] = {
     "norm_rope": norm_rope,
     "norm_rope_attention": norm_rope_attention,
     "moe_gate_route": moe_gate_route,
+    "window_attention": window_attention,
 }

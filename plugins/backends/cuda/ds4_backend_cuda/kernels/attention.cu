@@ -267,3 +267,34 @@ extern "C" __global__ void attend_softmax(float* __restrict__ dots, const int* _
     warp_softmax_stats(l, K, sinks, h, peak, peak, sum);
     for (int j = lane; j < K; j += 32) l[j] = expf(l[j] - peak) / sum;
 }
+
+// The prefill's window attention weights, in place, between window_attention's (ops.py) two products: p [rows, ldp]
+// holds, for row (b, i, h) = (b · B + i) · H + h, query t = t0 + b · B + i's head h scores over the L >= B + W - 1
+// rows of its block's band (columns 0 .. L - 1: padded window rows s0 + t0 + b · B + c) and the C compressed rows
+// (columns L ..). Column c < L is the query's when i <= c < i + W and its padded row is not padding (>= pad);
+// column L + w when w < limit[t] (limit null: C = 0). Each is scaled, then softmax-ed with the sink in the
+// denominator; every other column becomes 0, so the second product reads the band whole. One warp per row.
+extern "C" __global__ void window_softmax(float* __restrict__ p, int ldp, int B, int L, int H, int W, int C, int t0,
+                                          int s0, int pad, const int* __restrict__ limit,
+                                          const float* __restrict__ sinks, float scale, long long rows) {
+    grid_wait();
+    const long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= rows) return;  // whole warps leave together
+    const int lane = threadIdx.x & 31, h = (int)(r % H), i = (int)(r / H % B);
+    const long long block_first = r / H - i;  // b · B
+    const int t = t0 + (int)block_first + i;
+    const int lim = limit ? limit[t] : 0, base = s0 + t0 + (int)block_first;
+    float* row = p + r * ldp;
+    auto visible = [&](int c) { return c < L ? c >= i && c < i + W && base + c >= pad : c - L < lim; };
+    float peak = sinks ? sinks[h] : NEG_INF;
+    for (int c = lane; c < L + C; c += 32)
+        if (visible(c)) peak = fmaxf(peak, row[c] * scale);
+    for (int o = 16; o > 0; o >>= 1) peak = fmaxf(peak, __shfl_xor_sync(0xffffffffu, peak, o));
+    if (peak == NEG_INF) peak = 0.f;
+    float sum = 0.f;
+    for (int c = lane; c < L + C; c += 32)
+        if (visible(c)) sum += expf(row[c] * scale - peak);
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (sinks) sum += expf(sinks[h] - peak);
+    for (int c = lane; c < L + C; c += 32) row[c] = visible(c) ? expf(row[c] * scale - peak) / sum : 0.f;
+}

@@ -329,7 +329,8 @@ extern "C" __global__ void hc_collapse(const float* __restrict__ w, const float*
 }
 
 // out[t, k, d] = post[t, k] · y[t, d] + sum_i comb[t, i, k] · S[t, i, d]: the sub-layer output spread back over
-// the streams; one thread per (t, d) reads its n stream values once; grid (ceil(D / blockDim.x), T).
+// the streams; one thread per (t, d) reads its n stream values once (into registers: the loops over HC_MAX are
+// unrolled, as a runtime-indexed array lives in local memory); grid (ceil(D / blockDim.x), T).
 extern "C" __global__ void hc_expand(const float* __restrict__ S, const float* __restrict__ y,
                                      const float* __restrict__ post, const float* __restrict__ comb, int n, int D,
                                      float* __restrict__ out) {
@@ -338,12 +339,15 @@ extern "C" __global__ void hc_expand(const float* __restrict__ S, const float* _
     if (d >= D) return;
     const size_t t = blockIdx.y;
     float s[HC_MAX];
-    for (int i = 0; i < n; ++i) s[i] = S[(t * n + i) * D + d];
+#pragma unroll
+    for (int i = 0; i < HC_MAX; ++i) s[i] = i < n ? S[(t * n + i) * D + d] : 0.f;
     const float yd = y[t * D + d];
     const float* c = comb + t * n * n;
     for (int k = 0; k < n; ++k) {
         float mixed = 0.f;
-        for (int i = 0; i < n; ++i) mixed = fmaf(c[i * n + k], s[i], mixed);
+#pragma unroll
+        for (int i = 0; i < HC_MAX; ++i)
+            if (i < n) mixed = fmaf(c[i * n + k], s[i], mixed);
         out[(t * n + k) * D + d] = fmaf(post[t * n + k], yd, mixed);  // as hc_expand_mix (kernels/quant.cu)
     }
 }

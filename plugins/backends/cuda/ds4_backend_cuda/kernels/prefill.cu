@@ -25,6 +25,91 @@ __device__ __forceinline__ uint4 pack8(const float* v) {
     return make_uint4(O::from2(v[0], v[1]), O::from2(v[2], v[3]), O::from2(v[4], v[5]), O::from2(v[6], v[7]));
 }
 
+// Elements 8 * part .. + 7 of block b as O bits: Q::decode, then pack8.
+template <class Q, class O>
+__device__ __forceinline__ uint4 decode16(const u8* b, int part) {
+    float v[8];
+    Q::decode(b, part, v);
+    return pack8<O>(v);
+}
+
+// IQ2_XXS's part k of a group as fp16, the bits of decode + pack8<Half> in about half the instructions (this decode
+// bound the prefill's routed gate and up): a magnitude times the scale is one fma of its 2^23-offset float, exact
+// as the grid's 6 bits times the scale's 16 fit a float; the signs flip the fp16 sign bits after rounding, which
+// commutes with negation.
+__device__ __forceinline__ uint4 iq2xxs_half8(const IQ2_XXS::Head& h, int k) {
+    const u32 sg = IQ2_XXS::signs(h, k);
+    const uint2 mags = IQ2_XXS::magnitudes(h, k);
+    const float off = -8388608.0f * h.scale;
+    const u32 spread[2] = {(sg & 0xFu) * 0x10204080u, (sg >> 4) * 0x10204080u};  // bit 8i + 7: element i's sign
+    u32 out[4];
+#pragma unroll
+    for (int p = 0; p < 4; p++) {
+        const u32 w = p < 2 ? mags.x : mags.y, sel = p % 2 ? 0xB4A4u : 0x9484u;
+        u32 mask;  // prmt's sign mode: byte 1 (3) all ones when element 2p (2p + 1) is negative
+        asm("prmt.b32 %0, %1, 0, %2;" : "=r"(mask) : "r"(spread[p / 2]), "r"(sel));
+        const float lo = fmaf(byte_plus_2p23(w, 2 * (p % 2)), h.scale, off);
+        const float hi = fmaf(byte_plus_2p23(w, 2 * (p % 2) + 1), h.scale, off);
+        out[p] = Half::from2(lo, hi) ^ (mask & 0x80008000u);
+    }
+    return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+template <>
+__device__ __forceinline__ uint4 decode16<IQ2_XXS, Half>(const u8* b, int part) {
+    return iq2xxs_half8(IQ2_XXS::head(b, part / 4), part % 4);
+}
+
+// Columns c .. c + 31 (c a multiple of 32) of the row whose blocks start at base, as O bits at out: four
+// decode16s; for IQ2_XXS to fp16, whose 32 columns are one group, the group's head is read once.
+template <class Q, class O>
+struct Decode32 {
+    static __device__ __forceinline__ void run(const u8* base, int c, uint4* out) {
+#pragma unroll 1
+        for (int j = 0; j < 4; j++) out[j] = decode16<Q, O>(base + (c + 8 * j) / Q::QK * Q::BYTES, (c + 8 * j) % Q::QK / 8);
+    }
+};
+
+template <>
+struct Decode32<IQ2_XXS, Half> {
+    static __device__ __forceinline__ void run(const u8* base, int c, uint4* out) {
+        const IQ2_XXS::Head h = IQ2_XXS::head(base + c / IQ2_XXS::QK * IQ2_XXS::BYTES, c % IQ2_XXS::QK / 32);
+#pragma unroll
+        for (int k = 0; k < 4; k++) out[k] = iq2xxs_half8(h, k);
+    }
+};
+
+// Q2_K: d and dmin read once for the 32 columns (two 16-value scale groups of one 2-bit plane). A group's four
+// values a * q - o (q = 0 .. 3) are computed and rounded once, and each pair of weights is picked from them by one
+// prmt whose selector its two codes make (nibbles 2q, 2q + 1 of each): about half the instructions of decoding and
+// rounding every weight, the same bits.
+template <class O>
+struct Decode32<Q2_K, O> {
+    static __device__ __forceinline__ void run(const u8* base, int c, uint4* out) {
+        const u8* b = base + c / Q2_K::QK * Q2_K::BYTES;
+        const int e0 = c % Q2_K::QK, shift = 2 * (e0 % 128 / 32);
+        const u8* q = b + 16 + 32 * (e0 / 128);
+        const float d = half_at(b + 80), dmin = half_at(b + 82);
+#pragma unroll
+        for (int g = 0; g < 2; g++) {
+            const u8 packed = b[e0 / 16 + g];
+            const float a = d * (float)(packed & 0xF), o = dmin * (float)(packed >> 4);
+            const u32 lo = O::from2(-o, fmaf(a, 1.f, -o)), hi = O::from2(fmaf(a, 2.f, -o), fmaf(a, 3.f, -o));
+#pragma unroll
+            for (int k = 2 * g; k < 2 * g + 2; k++) {
+                u32 pick[4];
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const u32 codes = (u32_at(q + 8 * k + 4 * h) >> shift) & 0x03030303u;  // a code a byte
+                    pick[2 * h] = __byte_perm(lo, hi, codes * 0x22u + 0x1010u);
+                    pick[2 * h + 1] = __byte_perm(lo, hi, (codes >> 16) * 0x22u + 0x1010u);
+                }
+                out[k] = make_uint4(pick[0], pick[1], pick[2], pick[3]);
+            }
+        }
+    }
+};
+
 // out[j, r, :] = row r (< nrows) of matrix e = experts[j] (experts null: e = j) of w as O, j = blockIdx.y.
 // Matrix e starts at w + e * matrix_bytes, its rows row_bytes apart; ncols % 8 == 0; one thread per 8 values.
 template <class Q, class O>
@@ -38,9 +123,7 @@ __global__ void dequant16(const u8* __restrict__ w, long long matrix_bytes, long
     long long e = experts ? experts[blockIdx.y] : blockIdx.y;
     constexpr int PARTS = Q::QK / 8;
     const u8* blk = w + e * matrix_bytes + r * row_bytes + (long long)(u / PARTS) * Q::BYTES;
-    float v[8];
-    Q::decode(blk, u % PARTS, v);
-    *reinterpret_cast<uint4*>(out + blockIdx.y * out_stride + r * ncols + 8LL * u) = pack8<O>(v);
+    *reinterpret_cast<uint4*>(out + blockIdx.y * out_stride + r * ncols + 8LL * u) = decode16<Q, O>(blk, u % PARTS);
 }
 
 // The power of two that brings amax into [2^13, 2^14): fp16 then holds every value above 2^-27 * amax as a
@@ -53,17 +136,25 @@ __device__ __forceinline__ float up_scale(float amax) {
 }
 
 // out[i] = x[i] * s as O, s = up_scale(*amax); thread 0 also writes alpha_beta = (1 / s, 0), the GEMM's scalars
-// that undo the scale (cuBLAS in device pointer mode).
+// that undo the scale (cuBLAS in device pointer mode). A thread converts 8 values, with 16-byte loads and a 16-byte
+// store where x and out allow (one value a thread, 2-byte stores, ran at ~1.3 TB/s).
 template <class O>
 __global__ void to16(const float* __restrict__ x, long long n, const float* __restrict__ amax,
                      u16* __restrict__ out, float* __restrict__ alpha_beta) {
-    float s = up_scale(*amax);
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const float s = up_scale(*amax);
+    const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * 8;
     if (i == 0) {
         alpha_beta[0] = 1.f / s;
         alpha_beta[1] = 0.f;
     }
-    if (i < n) out[i] = (u16)O::from(x[i] * s);
+    if (i >= n) return;
+    if (i + 8 <= n && !((reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(out)) & 15)) {
+        const float4 a = reinterpret_cast<const float4*>(x + i)[0], b = reinterpret_cast<const float4*>(x + i)[1];
+        const float v[8] = {a.x * s, a.y * s, a.z * s, a.w * s, b.x * s, b.y * s, b.z * s, b.w * s};
+        *reinterpret_cast<uint4*>(out + i) = pack8<O>(v);  // the same rounding as O::from, a pair at a time
+        return;
+    }
+    for (long long j = i; j < n && j < i + 8; ++j) out[j] = (u16)O::from(x[j] * s);
 }
 
 // Expert-major padded activations: row (j, m) = (blockIdx.y, blockIdx.x) of out is row pairs[seg_off[j] + m] / k
@@ -88,6 +179,24 @@ __device__ __forceinline__ float block_max(float v, float* shared) {  // blockDi
     v = 0.f;
     for (int i = 0; i < (int)blockDim.x / 32; i++) v = fmaxf(v, shared[i]);
     return v;
+}
+
+// *amax = max |x[i]| over n floats (*amax zeroed before the launch; NaNs skipped, as fmaxf skips them): a block's
+// maximum, then one atomicMax on its bits, which order as the values do for non-negative floats. 16-byte loads where
+// x is 16-byte aligned. (CuPy's two-pass reduction read ~1.5 TB/s.)
+extern "C" __global__ void amax_abs(const float* __restrict__ x, long long n, float* __restrict__ amax) {
+    __shared__ float shared[32];
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long n4 = reinterpret_cast<unsigned long long>(x) & 15 ? 0 : n / 4;
+    float m = 0.f;
+    for (long long i = first; i < n4; i += stride) {
+        const float4 v = reinterpret_cast<const float4*>(x)[i];
+        m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+    }
+    for (long long i = 4 * n4 + first; i < n; i += stride) m = fmaxf(m, fabsf(x[i]));
+    m = block_max(m, shared);
+    if (threadIdx.x == 0) atomicMax(reinterpret_cast<int*>(amax), __float_as_int(m));
 }
 
 __device__ __forceinline__ float swiglu1(float g, float u, float limit) {
@@ -138,6 +247,23 @@ extern "C" __global__ void scatter_pairs(const float* __restrict__ y, int D, con
     }
 }
 
+// out[t, :] = the sum over slots j (in order) of ypairs[t * k + j, :], the rows of the slots with an expert
+// (0 <= idx[t * k + j] < E; no kernel writes the others). D % 4 == 0; one float4 a thread, grid (., T).
+extern "C" __global__ void sum_pairs(const float* __restrict__ ypairs, const int* __restrict__ idx, int k, int E, int D,
+                                     float* __restrict__ out) {
+    const long long t = blockIdx.y;
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (4 * c >= D) return;
+    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int j = 0; j < k; j++) {
+        const int e = idx[t * k + j];
+        if (e < 0 || e >= E) continue;
+        const float4 v = reinterpret_cast<const float4*>(ypairs + (t * k + j) * D)[c];
+        s = make_float4(s.x + v.x, s.y + v.y, s.z + v.z, s.w + v.w);
+    }
+    reinterpret_cast<float4*>(out + t * D)[c] = s;
+}
+
 // Routed experts without 16-bit weight copies: each block dequantizes MMA_BM rows of one expert's matrix into
 // shared memory, MMA_BK columns at a time, and multiplies them on tensor cores with up to MMA_BN tokens of that
 // expert (mma.sync m16n8k16, fp32 accumulation; inline PTX, so no header beyond NVRTC's own), so quantized weights
@@ -178,7 +304,7 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 // never pass the end of a buffer whose end is CH-aligned (device allocations are). STAGED: the staging area fits
 // static shared memory's 48 KB beside the A tiles and two B tiles. BLOCKS: the blocks per SM the registers are
 // capped for (128 or 80 a thread), as many as shared memory admits on sm_90 when staged: other blocks' decodes
-// and MMAs fill this block's barriers (unstaged Q6_K and F32 spill a few bytes under the cap; without one ptxas
+// and MMAs fill this block's barriers (Q4_K spills a few bytes under the cap; without one ptxas
 // takes 150-255 registers and 2-3 blocks fit).
 template <class Q, int NW>
 struct MmaPlan {
@@ -226,8 +352,9 @@ __device__ __forceinline__ void mma16816<BHalf>(float (&d)[4], const u32 (&a)[4]
 // tiles[3 * blockIdx.y ..] = (expert, first sorted pair, token count <= MMA_BN). Token m's activations are row
 // gather ? pairs[first + m] / k : first + m of x16 [*, ncols] (16-bit bits). ncols % MMA_BK == 0 and a block of
 // the format never straddles an MMA_BK step (QK a multiple or divisor of MMA_BK). Four warps, each 32 rows x 32
-// tokens of the tile. Thread tid decodes column unit tid % 8 of rows tid / 8 + 16i (i < 4) of each matrix and
-// copies the same units of the activations; it also stages the raw windows of those rows, chunks tid % 8 + 8j.
+// tokens of the tile. Thread tid copies column unit tid % 8 of tokens tid / 8 + 16i (i < 4) of the activations;
+// it stages the raw windows of row tid / 2 of each matrix (chunks tid % 2 + 2j) and decodes that row's columns
+// 32 * (tid % 2) .. + 31 (Decode32: a format reads its scales once for them).
 // Step s: wait for its copies, barrier (they are visible, and the MMAs of s - 1 are done with A), decode into A,
 // barrier (A is complete, the staging area free), start the copies of s + 1, multiply step s.
 template <class Q, class O, int NW>
@@ -236,7 +363,7 @@ __global__ void __launch_bounds__(128, (MmaPlan<Q, NW>::BLOCKS)) moe_mma16(
         int ncols, const int* __restrict__ tiles, const u16* __restrict__ x16, const int* __restrict__ pairs, int k,
         int gather, const float* __restrict__ alpha, float limit, const float* __restrict__ hs,
         const float* __restrict__ weights, float* __restrict__ out, int ldc) {
-    static_assert(MMA_BM == MMA_BN, "A and B tiles share one thread-to-row map");
+    static_assert(MMA_BM == 64 && MMA_BN == 64 && MMA_BK == 64, "the thread maps of the copies and the decode");
     using S = MmaPlan<Q, NW>;
     constexpr int TILE = S::TILE;
     constexpr bool STAGED = S::STAGED;
@@ -248,17 +375,19 @@ __global__ void __launch_bounds__(128, (MmaPlan<Q, NW>::BLOCKS)) moe_mma16(
     int e = tiles[3 * blockIdx.y], first = tiles[3 * blockIdx.y + 1], cnt = tiles[3 * blockIdx.y + 2];
     int r0 = blockIdx.x * MMA_BM, tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
     int wr = 32 * (warp >> 1), wc = 32 * (warp & 1);
-    constexpr int UNITS = MMA_BM * MMA_BK / 8 / 128;  // 8-value units per thread per tile
-    static_assert(MMA_BK / 8 == 8 && UNITS == 4, "thread tid owns column unit tid % 8 of rows tid / 8 + 16i");
+    constexpr int UNITS = MMA_BN * MMA_BK / 8 / 128;  // 8-value activation units a thread copies a step
     const int c = 8 * (tid % 8);
-    const u8* arow[NW][UNITS];
     const u16* bsrc[UNITS];
+    const int drow = tid / 2, dc = 32 * (tid % 2);  // this thread stages row drow and decodes its columns dc .. + 31
+    const u8* arow[NW];
+    {
+        const long long off = (long long)e * expert_bytes + (long long)min(r0 + drow, nrows - 1) * row_bytes;
+        arow[0] = w0 + off;
+        if constexpr (NW == 2) arow[1] = w1 + off;
+    }
 #pragma unroll
     for (int i = 0; i < UNITS; i++) {
         int row = tid / 8 + 16 * i;
-        long long off = (long long)e * expert_bytes + (long long)min(r0 + row, nrows - 1) * row_bytes;
-        arow[0][i] = w0 + off;
-        if constexpr (NW == 2) arow[1][i] = w1 + off;
         long long src = row < cnt ? (gather ? pairs[first + row] / k : first + row) : -1;
         bsrc[i] = src < 0 ? nullptr : x16 + src * ncols + c;
     }
@@ -276,17 +405,15 @@ __global__ void __launch_bounds__(128, (MmaPlan<Q, NW>::BLOCKS)) moe_mma16(
             constexpr int SPAN_STEPS = S::SPAN / MMA_BK;
             if (s % SPAN_STEPS) return;
 #pragma unroll
-            for (int n = 0; n < NW; n++)
+            for (int n = 0; n < NW; n++) {
+                const u8* win = arow[n] + (long long)(s / SPAN_STEPS) * S::WIN;
+                int lead = (int)(reinterpret_cast<unsigned long long>(win) & (S::CH - 1));
+                const u8* from = win - lead;
+                u8* to = R + (n * MMA_BM + drow) * S::LD;
 #pragma unroll
-                for (int i = 0; i < UNITS; i++) {
-                    const u8* win = arow[n][i] + (long long)(s / SPAN_STEPS) * S::WIN;
-                    int lead = (int)(reinterpret_cast<unsigned long long>(win) & (S::CH - 1));
-                    const u8* from = win - lead;
-                    u8* to = R + (n * MMA_BM + tid / 8 + 16 * i) * S::LD;
-#pragma unroll
-                    for (int ch = tid % 8; ch < S::LD / S::CH; ch += 8)
-                        if (ch * S::CH < lead + S::WIN) cp_async<S::CH>(to + ch * S::CH, from + ch * S::CH);
-                }
+                for (int ch = tid % 2; ch < S::LD / S::CH; ch += 2)
+                    if (ch * S::CH < lead + S::WIN) cp_async<S::CH>(to + ch * S::CH, from + ch * S::CH);
+            }
         }
     };
     float acc[NW][2][4][4] = {};
@@ -298,24 +425,20 @@ __global__ void __launch_bounds__(128, (MmaPlan<Q, NW>::BLOCKS)) moe_mma16(
     for (int s = 0; s < steps; s++) {
         cp_async_wait_all();
         __syncthreads();
-        const int col = s * MMA_BK + c;
+        const int col = s * MMA_BK + dc;
 #pragma unroll
-        for (int i = 0; i < UNITS; i++) {
-            int row = tid / 8 + 16 * i;
-#pragma unroll
-            for (int n = 0; n < NW; n++) {
-                const u8* blk;
-                if constexpr (STAGED) {
-                    const u8* win = arow[n][i] + (long long)(col / S::SPAN) * S::WIN;
-                    int lead = (int)(reinterpret_cast<unsigned long long>(win) & (S::CH - 1));
-                    blk = R + (n * MMA_BM + row) * S::LD + lead + (col % S::SPAN) / Q::QK * Q::BYTES;
-                } else {
-                    blk = arow[n][i] + (long long)(col / Q::QK) * Q::BYTES;
-                }
-                float v[8];
-                Q::decode(blk, (col % Q::QK) / 8, v);
-                *reinterpret_cast<uint4*>(A + (n * MMA_BM + row) * MMA_LD + c) = pack8<O>(v);
+        for (int n = 0; n < NW; n++) {
+            const u8* base;
+            int bc;  // col relative to base
+            if constexpr (STAGED) {
+                const u8* win = arow[n] + (long long)(col / S::SPAN) * S::WIN;
+                base = R + (n * MMA_BM + drow) * S::LD + (int)(reinterpret_cast<unsigned long long>(win) & (S::CH - 1));
+                bc = col % S::SPAN;
+            } else {
+                base = arow[n];
+                bc = col;
             }
+            Decode32<Q, O>::run(base, bc, reinterpret_cast<uint4*>(A + (n * MMA_BM + drow) * MMA_LD + dc));
         }
         __syncthreads();
         if (s + 1 < steps) start_copies(s + 1);
