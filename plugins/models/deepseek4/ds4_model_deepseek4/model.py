@@ -135,15 +135,21 @@ def compose_norm_rope_attention(ops: Ops, q: Any, eps: float, kv: Any, idx: Any,
     return ops.rope(ops.sparse_attention(q, kv, idx, sinks, scale), positions, inv_freq, inverse=True)
 
 
+def window_rows(xp: Any, T: int, first: int, window: int) -> Any:
+    """``[T, window]`` rows of the queries' sliding windows: query ``t`` reads rows ``first + t ..``, -1 where a row
+    would be negative."""
+    band = first + xp.arange(T)[:, None] + xp.arange(window)[None, :]
+    return xp.where(band >= 0, band, -1)
+
+
 def compose_window_attention(ops: Ops, q: Any, kv: Any, first: int, window: int, comp_start: int, limit: Any,
                              sinks: Any, scale: float) -> Any:
     """A chunk's sparse attention whose rows have the prefill's shape, from core ops: the definition of the op
     ``window_attention``. Query ``t`` of ``q [T, H, d]`` reads the rows ``first + t .. first + t + window - 1`` of
     ``kv`` that are not negative (its sliding window), then, with ``limit [T]``, the rows ``comp_start + w`` for
     ``w < limit[t]`` (the complete compressed rows, which follow the window's in ``kv``)."""
-    xp, T = ops.xp, q.shape[0]
-    band = first + xp.arange(T)[:, None] + xp.arange(window)[None, :]
-    parts = [xp.where(band >= 0, band, -1)]
+    xp = ops.xp
+    parts = [window_rows(xp, q.shape[0], first, window)]
     if limit is not None:
         w = xp.arange(kv.shape[0] - comp_start)[None, :]
         parts.append(xp.where(w < limit[:, None], w + comp_start, -1))
@@ -306,8 +312,7 @@ class Attention:
                 if rows.shape[0] > self.indexer.topk:  # the chosen rows: a list per query
                     iq = self.indexer.queries(ops, self._q_latent(ops, q_low), pos, self.inv_freq, self.index_finish)
                     sel = self.indexer.select(ops, iq, ops.linear(x, self.indexer.proj), index_rows, limit, offset)
-                    band = first + xp.arange(T)[:, None] + xp.arange(W)[None, :]
-                    idx = xp.concatenate([xp.where(band >= 0, band, -1), sel], axis=1)
+                    idx = xp.concatenate([window_rows(xp, T, first, W), sel], axis=1)
                     return self._attend(ops, q, xp.concatenate(keys), idx, pos)
         # every complete compressed row is visible: the rows have the window's shape
         cfg = self.cfg
