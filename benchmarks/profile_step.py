@@ -10,15 +10,21 @@ With ``--prefill`` it traces the prompt's prefill instead (in a second session, 
 warmed every kernel): the same table per prefill, then the untraced wall time of that prefill. With ``--timeline``
 it also lists the last traced decode step's kernels in order: start, duration and the gap since the previous
 kernel ended (what a launch edge costs; negative where kernels overlap, as with programmatic dependent launch, whose
-kernels' durations then include their wait: set DS4_CUDA_PDL=0 for each kernel's own time).
+kernels' durations then include their wait: set DS4_CUDA_PDL=0 for each kernel's own time). With ``--sources`` the
+trace also records Python calls, and each of the largest kernels is broken down by the project's lines that
+launched it (the host's times are then the tracer's, not the engine's).
 
 Usage: python benchmarks/profile_step.py FILE [--prompt-tokens 2048] [--steps 5] [--top 30] [--prefill] [--timeline]
+       [--sources]
 (needs a GPU with the CUDA backend, the file's model plugin, and torch for the trace.)
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
+import json
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -26,21 +32,45 @@ from pathlib import Path
 import numpy as np
 
 
-def _trace(feeds) -> list[tuple[str, float, float]]:
-    """(kernel name, µs, start µs) of every GPU kernel and copy that running the callables ``feeds`` launched, in
-    order of their start."""
+def _trace(feeds, sources: bool = False) -> list[tuple[str, float, float, str]]:
+    """(kernel name, µs, start µs, launching lines) of every GPU kernel and copy that running the callables
+    ``feeds`` launched, in order of their start; the lines (see :func:`_launch_sites`) only with ``sources``."""
     import cupy
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     cupy.cuda.Device().synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA, *([ProfilerActivity.CPU] if sources else [])]
+    with profile(activities=activities, with_stack=sources) as prof:
         for feed in feeds:
             feed()
         cupy.cuda.Device().synchronize()
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return [(e.name, e.time_range.end - e.time_range.start, e.time_range.start)
-            for e in sorted(events, key=lambda e: e.time_range.start)]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    sites = _launch_sites(events) if sources else {}
+    return [(e["name"], float(e["dur"]), float(e["ts"]), sites.get(e.get("args", {}).get("correlation"), ""))
+            for e in sorted(gpu, key=lambda e: e["ts"])]
+
+
+def _launch_sites(events: list[dict]) -> dict[int, str]:
+    """Correlation id -> the innermost two functions of the project's packages (``ds4_*``, past the launch helper)
+    under whose Python calls the runtime or driver call with that id ran."""
+    calls = sorted(((e["ts"], e["ts"] + e["dur"], e["tid"], e["name"]) for e in events
+                    if e.get("cat") == "python_function" and "ds4_" in e["name"] and "launch.py" not in e["name"]),
+                   key=lambda c: (c[0], -c[1]))
+    starts = [c[0] for c in calls]
+    sites = {}
+    for e in events:
+        if e.get("cat") not in ("cuda_runtime", "cuda_driver") or "correlation" not in e.get("args", {}):
+            continue
+        ts = e["ts"]
+        i = bisect.bisect_right(starts, ts)
+        inner = [c for c in calls[max(0, i - 400):i] if c[1] >= ts and c[2] == e["tid"]]  # nested: latest inside
+        names = ["/".join(c[3].split("/")[-2:]) for c in inner[-2:]]
+        sites[e["args"]["correlation"]] = " < ".join(reversed(names))
+    return sites
 
 
 def _per_token_ms(fn, n: int) -> float:
@@ -54,31 +84,37 @@ def _per_token_ms(fn, n: int) -> float:
     return (time.perf_counter() - start) / n * 1e3
 
 
-def _table(kernels: list[tuple[str, float, float]], steps: int, top: int, title: str) -> float:
-    """Print the kernels grouped by name, largest first; return the GPU busy µs per step."""
+def _table(kernels: list[tuple[str, float, float, str]], steps: int, top: int, title: str) -> float:
+    """Print the kernels grouped by name, largest first (each by its launching lines where the trace has them);
+    return the GPU busy µs per step."""
     by_name: dict[str, list[float]] = defaultdict(list)
-    for name, us, _ in kernels:
+    by_site: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for name, us, _, site in kernels:
         by_name[name].append(us)
-    busy = sum(us for _, us, _ in kernels) / steps
+        by_site[name][site].append(us)
+    busy = sum(k[1] for k in kernels) / steps
     print(f"{title}; {len(kernels) / steps:.0f} kernels per step, GPU busy {busy / 1e3:.3f} ms per step")
     print(f"{'us/step':>9} {'per step':>8} {'mean us':>8}  kernel")
     for name, times in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
         print(f"{sum(times) / steps:9.1f} {len(times) / steps:8.1f} {np.mean(times):8.2f}  {name[:100]}")
+        for site, st in sorted(by_site[name].items(), key=lambda kv: -sum(kv[1])):
+            if site:
+                print(f"{sum(st) / steps:17.1f} {len(st) / steps:6.1f}x {np.mean(st):8.2f}    {site[:110]}")
     return busy
 
 
-def _timeline(kernels: list[tuple[str, float, float]]) -> None:
+def _timeline(kernels: list[tuple[str, float, float, str]]) -> None:
     """Print ``kernels`` (one step's) in order: start since the first, duration, gap since the latest end so far."""
     t0, end = kernels[0][2], kernels[0][2]
     print(f"{'start us':>9} {'us':>7} {'gap us':>7}  kernel")
-    for name, us, start in kernels:
+    for name, us, start, _ in kernels:
         print(f"{start - t0:9.1f} {us:7.2f} {start - end:7.2f}  {name[:90]}")
         end = max(end, start + us)
 
 
-def _report_prefill(engine, prompt: np.ndarray, top: int) -> None:
+def _report_prefill(engine, prompt: np.ndarray, top: int, sources: bool) -> None:
     """Trace one prefill of ``prompt`` in a fresh session, then time another untraced."""
-    kernels = _trace([lambda: engine.new_session().feed(prompt, logits="last")])
+    kernels = _trace([lambda: engine.new_session().feed(prompt, logits="last")], sources)
     busy = _table(kernels, 1, top, f"prefill of {prompt.size} tokens")
     wall = _per_token_ms(lambda: engine.new_session().feed(prompt, logits="last"), 2)
     print(f"Session.feed of the prompt: {wall:.1f} ms (untraced); beyond the GPU's busy time: "
@@ -93,6 +129,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=30, help="kernel names listed")
     parser.add_argument("--prefill", action="store_true", help="trace the prompt's prefill, not decode steps")
     parser.add_argument("--timeline", action="store_true", help="list the last traced decode step's kernels in order")
+    parser.add_argument("--sources", action="store_true",
+                        help="break each kernel's time down by the project's lines that launched it")
     args = parser.parse_args()
 
     from ds4_core.engine import Engine
@@ -104,14 +142,14 @@ def main() -> None:
         session = engine.new_session()
         session.feed(prompt, logits="last")
         if args.prefill:
-            _report_prefill(engine, prompt, args.top)
+            _report_prefill(engine, prompt, args.top, args.sources)
             return
         graphs = engine.model.decode_graphs
         for _ in range(3):  # records the step, then warms the replay
             session.feed([int(np.argmax(session.last_logits))])
         replays = graphs is not None and graphs.replays(session.state)
         tokens = rng.integers(0, engine.tokenizer.vocab_size, args.steps).tolist()
-        kernels = _trace([lambda t=t: session.feed([t]) for t in tokens])
+        kernels = _trace([lambda t=t: session.feed([t]) for t in tokens], args.sources)
         busy = _table(kernels, args.steps, args.top,
                       f"{args.file.name}: decode at {args.prompt_tokens} tokens, graph replay: {replays}")
         feed = _per_token_ms(lambda: session.feed([int(np.argmax(session.last_logits))]), 30)

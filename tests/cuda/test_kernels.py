@@ -252,10 +252,13 @@ def test_window_attention(cuda_backend, T, n_prev, n_comp, passes, tf32, rng, mo
     kv = rng.standard_normal((comp_start + n_comp, d), dtype=np.float32)
     limit = np.minimum((np.arange(T) + n_prev + 1) // 4, n_comp).astype(np.int32) if n_comp else None
     sinks_ref, sinks = _pair(cuda_backend, "F32", (H,), rng)
+    pos = (n_prev + np.arange(T)).astype(np.int32)
+    inv_freq = (10000.0 ** -(np.arange(8) / 8)).astype(np.float32)  # the last 16 channels rotate back
     xp = cuda_backend.asarray
     got = cuda_backend.to_numpy(ops.window_attention(xp(q), xp(kv), first, W, comp_start,
-                                                     None if limit is None else xp(limit), sinks, d ** -0.5))
-    want = dref.window_attention(q, kv, first, W, comp_start, limit, sinks_ref, d ** -0.5)
+                                                     None if limit is None else xp(limit), sinks, d ** -0.5,
+                                                     xp(pos), xp(inv_freq)))
+    want = dref.window_attention(q, kv, first, W, comp_start, limit, sinks_ref, d ** -0.5, pos, inv_freq)
     np.testing.assert_allclose(got, want, rtol=2e-2 if tf32 else 1e-4, atol=2e-3 if tf32 else 1e-5)
 
 
@@ -353,8 +356,10 @@ def test_moe_gate_route(cuda_backend, rng, T, E, D, k, qtype):
 # n · D a multiple of 1024 takes the fused mix (four column slices for (4, 256), 32 for (4, 2048), and for (6, 512)
 # 48 mix rows, more than a warp's lanes); the others the unfused one. hc_pre_norm: one launch for (4, 256) and
 # (4, 2048), the composition for the others; hc_post_pre_norm: hc_expand_mix and hc_split_norm for the same two.
+# T = 40 (a prefill): for n = 4, the mix by a GEMM with the squares of row_squares or hc_expand_rows.
+@pytest.mark.parametrize("T", [3, 40])
 @pytest.mark.parametrize("n, D", [(4, 64), (6, 64), (2, 64), (4, 256), (4, 2048), (6, 512)])
-def test_hc_and_deepseek4_ops(cuda_backend, n, D, rng):
+def test_hc_and_deepseek4_ops(cuda_backend, n, D, T, rng):
     from ds4_backend_cuda import deepseek4_ops as cu
     from ds4_backend_cuda import hc_ops as hc
     from ds4_model_deepseek4 import ops as dref
@@ -362,7 +367,7 @@ def test_hc_and_deepseek4_ops(cuda_backend, n, D, rng):
     from ds4_core import ops_hc
 
     xp, host = cuda_backend.asarray, cuda_backend.to_numpy
-    T = 3
+    atol = 1e-5 if T <= 8 else 5e-5  # a prefill's mix is one GEMM over n·D columns, summed in cuBLAS's order
     S = rng.standard_normal((T, n, D), dtype=np.float32)
     fn_ref, fn = _pair(cuda_backend, "F16", ((2 + n) * n, n * D), rng)
     sc_ref, sc = _pair(cuda_backend, "F32", (3,), rng)
@@ -370,32 +375,38 @@ def test_hc_and_deepseek4_ops(cuda_backend, n, D, rng):
     got = hc.hc_pre(xp(S), fn, sc, base, 20, 1e-6, 1e-6)
     want = ops_hc.hc_pre(S, fn_ref, sc_ref, base_ref, 20, 1e-6, 1e-6)
     for g, w in zip(got, want, strict=True):
-        np.testing.assert_allclose(host(g), w, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(host(g), w, rtol=1e-4, atol=atol)
     norm_ref, norm = _pair(cuda_backend, "F32", (D,), rng)  # hc_pre then RMSNorm, fused for n = 4 with slices
     fused = hc.hc_pre_norm(xp(S), fn, sc, base, 20, 1e-6, 1e-6, norm)
     for g, w in zip(fused, dref.hc_pre_norm(S, fn_ref, sc_ref, base_ref, 20, 1e-6, 1e-6, norm_ref), strict=True):
-        np.testing.assert_allclose(host(g), w, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(host(g), w, rtol=1e-4, atol=atol)
     if hc._split_norm_fits(T, n, D):  # hc_split_norm's Sinkhorn in one lane, hc_split's in a warp: the same bits
         for g, w in zip(fused[1:], got[1:], strict=True):
             np.testing.assert_array_equal(host(g), host(w))
     y = rng.standard_normal((T, D), dtype=np.float32)
     np.testing.assert_allclose(host(hc.hc_post(xp(S), xp(y), got[1], got[2])),
-                               ops_hc.hc_post(S, y, want[1], want[2]), rtol=1e-4, atol=1e-5)
+                               ops_hc.hc_post(S, y, want[1], want[2]), rtol=1e-4, atol=atol)
     # hc_post of the outputs' sum then hc_pre_norm, the sum, the expansion and the next mix in one launch for n = 4
-    # with slices: bit for bit the CUDA ops one after the other (the same arithmetic), and the numpy reference on the
-    # same post and comb; one output (attention's) and two (a MoE's routed and shared experts)
+    # with slices: bit for bit the CUDA ops one after the other (the same arithmetic; a prefill's streams too, its
+    # squares summed in another order), and the numpy reference on the same post and comb; one output (attention's)
+    # and two (a MoE's routed and shared experts)
     ffn = [_pair(cuda_backend, "F16", ((2 + n) * n, n * D), rng), _pair(cuda_backend, "F32", (3,), rng),
            _pair(cuda_backend, "F32", ((2 + n) * n,), rng), _pair(cuda_backend, "F32", (D,), rng)]
     (fn2_ref, fn2), (sc2_ref, sc2), (base2_ref, base2), (norm2_ref, norm2) = ffn
     for ys in ((y,), (y, rng.standard_normal((T, D), dtype=np.float32))):
         both = hc.hc_post_pre_norm(xp(S), tuple(map(xp, ys)), got[1], got[2], fn2, sc2, base2, 20, 1e-6, 1e-6, norm2)
         S2 = hc.hc_post(xp(S), sum(map(xp, ys[1:]), xp(ys[0])), got[1], got[2])
-        for g, w in zip(both, (S2, *hc.hc_pre_norm(S2, fn2, sc2, base2, 20, 1e-6, 1e-6, norm2)), strict=True):
-            np.testing.assert_array_equal(host(g), host(w))
+        apart = (S2, *hc.hc_pre_norm(S2, fn2, sc2, base2, 20, 1e-6, 1e-6, norm2))
+        np.testing.assert_array_equal(host(both[0]), host(apart[0]))
+        for g, w in zip(both[1:], apart[1:], strict=True):
+            if hc._prefill_norm_fits(T, n, D):
+                np.testing.assert_allclose(host(g), host(w), rtol=1e-5, atol=1e-6)
+            else:
+                np.testing.assert_array_equal(host(g), host(w))
         want_both = dref.hc_post_pre_norm(S, ys, host(got[1]), host(got[2]), fn2_ref, sc2_ref, base2_ref, 20, 1e-6,
                                           1e-6, norm2_ref)
         for g, w in zip(both, want_both, strict=True):
-            np.testing.assert_allclose(host(g), w, rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(host(g), w, rtol=1e-4, atol=atol)
     hfn_ref, hfn = _pair(cuda_backend, "F16", (n, n * D), rng)
     hs_ref, hs = _pair(cuda_backend, "F32", (1,), rng)
     hb_ref, hb = _pair(cuda_backend, "F32", (n,), rng)
@@ -412,10 +423,11 @@ def test_hc_and_deepseek4_ops(cuda_backend, n, D, rng):
                                rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize(("shape", "weighted"), [((3, 5, 64), False), ((2, 512), True), ((1, 9000), True)])
+@pytest.mark.parametrize(("shape", "weighted"), [((3, 5, 64), False), ((2, 512), True), ((1, 9000), True),
+                                                 ((40, 5, 512), False), ((40, 1024), True), ((40, 3, 128), True)])
 def test_norm_rope_is_rope_of_rms_norm(cuda_backend, shape, weighted, rng):
     """RMSNorm and RoPE in one launch (a query's heads, a KV row) equal the two core ops; a row wider than a block's
-    threads hold takes the two launches."""
+    threads hold takes the two launches; a prefill's short rows (40 tokens) a warp a row, and RMSNorm alone too."""
     from ds4_backend_cuda import ops
     from ds4_model_deepseek4 import ops as dref
 
@@ -426,6 +438,8 @@ def test_norm_rope_is_rope_of_rms_norm(cuda_backend, shape, weighted, rng):
     xp = cuda_backend.asarray
     got = cuda_backend.to_numpy(ops.norm_rope(xp(x), w, 1e-6, xp(pos), xp(inv_freq)))
     np.testing.assert_allclose(got, dref.norm_rope(x, w_ref, 1e-6, pos, inv_freq), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(cuda_backend.to_numpy(ops.rms_norm(xp(x), w, 1e-6)), ref.rms_norm(x, w_ref, 1e-6),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_upload_keeps_raw_blocks(cuda_backend, rng):

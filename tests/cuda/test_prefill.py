@@ -87,6 +87,34 @@ def test_prefill_linear_matches_the_oracle(cuda_backend, qtype, tile_rows, rng, 
         assert np.all(np.abs(got - emulated) <= _linear_bound(x16, w16, 0.0))
 
 
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("groups_a_tile", [None, 2])
+def test_prefill_grouped_linear_matches_the_oracle(cuda_backend, qtype, groups_a_tile, rng, monkeypatch):
+    """Each group's block of rows times that group's columns; with two groups a tile, three GEMMs, the last one
+    group: the strides of both operands and of the output hold across tiles."""
+    from ds4_backend_cuda import prefill
+
+    G, rows, cols, T = 5, 48, 256, 40
+    if groups_a_tile:
+        monkeypatch.setattr(prefill, "TILE_ELEMS", groups_a_tile * rows * cols)
+    w_ref, w = _pair(cuda_backend, qtype, (G * rows, cols), rng)
+    x = rng.standard_normal((T, G, cols), dtype=np.float32) * rng.uniform(0.01, 100, (T, G, 1)).astype(np.float32)
+    got = cuda_backend.to_numpy(prefill.prefill_grouped_linear(cuda_backend.asarray(x), w.data, qtype, cols))
+    want = ref.grouped_linear(x, w_ref)
+    assert got.shape == want.shape == (T, G, rows)
+    blocks = w_ref.data.reshape(G, rows, cols)
+    for g in range(G):
+        err = np.abs(got[:, g].astype(np.float64) - want[:, g])
+        tiny = 2.0**-38 * np.abs(x).max() * np.abs(blocks[g]).sum(1)  # x's scale is the whole of x's
+        assert np.all(err <= _linear_bound(x[:, g], blocks[g], _unit(qtype)) + tiny), f"group {g}"
+    if qtype != "F32":  # one power-of-two scale for the whole of x, as the kernels hold it
+        half = prefill.half_of(qtype)
+        x16 = _scaled16(x, half)
+        for g in range(G):
+            w16 = _round16(blocks[g], half)
+            assert np.all(np.abs(got[:, g] - x16[:, g] @ w16.T) <= _linear_bound(x16[:, g], w16, 0.0)), f"group {g}"
+
+
 @pytest.mark.parametrize("qtype", ["F16", "BF16", "F32"])
 def test_prefill_linear_odd_float_widths(cuda_backend, qtype, rng):
     from ds4_backend_cuda import prefill

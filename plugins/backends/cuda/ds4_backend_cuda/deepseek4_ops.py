@@ -19,6 +19,7 @@ from .ops import (
     MOE_PAIR_LIMIT,
     gemv_launch,
     linear,
+    linears,
     moe_gate_up_launch,
     rms_norm,
     swiglu,
@@ -116,7 +117,7 @@ def shared_expert(x: Any, gate: Weight, up: Weight, down: Weight, limit: float) 
     for every token) when the two share a format and few tokens come."""
     x = cp.ascontiguousarray(x, dtype=F32)
     if x.shape[0] > MOE_PAIR_LIMIT or gate.qtype != up.qtype or gate.shape != up.shape or gate.shape[1] % 8:
-        return linear(swiglu(linear(x, gate), linear(x, up), limit), down)
+        return linear(swiglu(*linears(x, (gate, up)), limit), down)
     h = cp.empty((x.shape[0], gate.shape[0]), dtype=F32)
     one = [Weight(w.name, w.qtype, (1, *w.shape), w.data) for w in (gate, up)]
     kernel, grid, block, args = moe_gate_up_launch(*one, None, x, 1, limit, h)

@@ -16,7 +16,8 @@ from ds4_core.backend import Weight
 from ds4_core.errors import BackendError
 
 from .modules import glue_kernel, quant_kernel
-from .ops import GEMV_TOKENS, linear, rms_norm, values, weighted_rows
+from .ops import GEMV_TOKENS, linear, rms_norm, tensor_core_prefill, values, weighted_rows
+from .prefill import gemm_rows
 
 #: Most streams ``kernels/hc.cu`` takes (a token's n × n matrix fills at most two registers per lane of a warp).
 HC_MAX = 8
@@ -102,17 +103,44 @@ def _split_norm(S: Any, slices: int, part: Any, scale: Weight, base: Weight, ite
     return out, post, comb
 
 
+def _mix_rows(S: Any, fn: Weight, part: Any = None) -> Any:
+    """part ``[T, M + 1]``: a prefill's mix of the contiguous streams ``S [T, n, D]`` with ``fn``, before the norm
+    (one GEMM reading ``S`` in place; TF32 on the tensor-core prefill path), and each token's sum of squares, which
+    ``hc_split_norm`` turns into the norm's scale (given ``part``, its last column already holds them): the streams
+    are read, never written."""
+    T, n, D = S.shape
+    K, M = n * D, (2 + n) * n
+    squared = part is not None
+    if not squared:
+        part = cp.empty((T, M + 1), F32)
+    fn32 = cp.ascontiguousarray(values(fn), dtype=F32)
+    gemm_rows(S.data.ptr, K, fn32.data.ptr, K, part.data.ptr, M + 1, T, M, K, transpose_b=True,
+              tf32=tensor_core_prefill())
+    if not squared:
+        glue_kernel("row_squares")((T,), (256,), (S, np.int32(K), part[:, M:], np.int32(M + 1)))
+    return part
+
+
+def _prefill_norm_fits(T: int, n: int, D: int) -> bool:
+    """Whether a prefill's ``T`` tokens of ``n`` streams of ``D`` take the mix by a GEMM and ``hc_split_norm``."""
+    return T > GEMV_TOKENS and n == HC_NORM_STREAMS and D % 4 == 0 and D <= HC_NORM_COLUMNS
+
+
 def hc_pre_norm(S: Any, fn: Weight, scale: Weight, base: Weight, iters: int, eps: float, norm_eps: float,
                 norm: Weight) -> tuple[Any, Any, Any]:
-    """:func:`hc_pre`, then ``c`` RMSNormed with weight ``norm`` (eps ``norm_eps``): a decode step's few tokens of
-    four streams take one launch for the split, the collapse and the norm (``hc_split_norm``) after the mix's."""
+    """:func:`hc_pre`, then ``c`` RMSNormed with weight ``norm`` (eps ``norm_eps``): four streams take one launch
+    for the split, the collapse and the norm (``hc_split_norm``) after the mix's (a decode step's few tokens, one
+    launch by column slices; a prefill's, a GEMM and the sums of squares)."""
     T, n, D = S.shape
-    if not _split_norm_fits(T, n, D):
-        c, post, comb = hc_pre(S, fn, scale, base, iters, eps, norm_eps)
-        return rms_norm(c, norm, norm_eps), post, comb
-    S = cp.ascontiguousarray(S, dtype=F32)
-    slices, part = _mix_slices(S, fn)
-    return _split_norm(S, slices, part, scale, base, iters, eps, norm_eps, norm)
+    if _split_norm_fits(T, n, D):
+        S = cp.ascontiguousarray(S, dtype=F32)
+        slices, part = _mix_slices(S, fn)
+        return _split_norm(S, slices, part, scale, base, iters, eps, norm_eps, norm)
+    if _prefill_norm_fits(T, n, D):
+        S = cp.ascontiguousarray(S, dtype=F32)
+        return _split_norm(S, 1, _mix_rows(S, fn), scale, base, iters, eps, norm_eps, norm)
+    c, post, comb = hc_pre(S, fn, scale, base, iters, eps, norm_eps)
+    return rms_norm(c, norm, norm_eps), post, comb
 
 
 def hc_post_pre_norm(S: Any, ys: tuple[Any, ...], post: Any, comb: Any, fn: Weight, scale: Weight, base: Weight,
@@ -120,8 +148,17 @@ def hc_post_pre_norm(S: Any, ys: tuple[Any, ...], post: Any, comb: Any, fn: Weig
     """:func:`hc_post` of the sum of the sub-layer's outputs ``ys``, then :func:`hc_pre_norm` of its streams ->
     (streams, normalised input, post, comb): a decode step's few tokens of four streams take one launch for the sum
     (of up to two outputs: a MoE's routed and shared experts), the expansion and the next mix (``hc_expand_mix``),
-    one for the rest."""
+    one for the rest; a prefill's, one for the sum, the expansion and the streams' squares (``hc_expand_rows``), the
+    mix's GEMM and ``hc_split_norm``."""
     T, n, D = S.shape
+    if len(ys) <= 2 and _prefill_norm_fits(T, n, D):  # the expansion also sums the outputs and squares the streams
+        S, M = cp.ascontiguousarray(S, dtype=F32), (2 + n) * n
+        out, part = cp.empty_like(S), cp.empty((T, M + 1), F32)
+        y2 = cp.ascontiguousarray(ys[1], dtype=F32) if len(ys) == 2 else np.uint64(0)
+        glue_kernel("hc_expand_rows")((T,), (HC_NORM_THREADS,), (
+            S, cp.ascontiguousarray(ys[0], dtype=F32), y2, cp.ascontiguousarray(post, dtype=F32),
+            cp.ascontiguousarray(comb, dtype=F32), np.int32(D), out, part[:, M:], np.int32(M + 1)))
+        return (out, *_split_norm(out, 1, _mix_rows(out, fn, part), scale, base, iters, eps, norm_eps, norm))
     if not _split_norm_fits(T, n, D) or len(ys) > 2:
         S = hc_post(S, functools.reduce(operator.add, ys), post, comb)
         return (S, *hc_pre_norm(S, fn, scale, base, iters, eps, norm_eps, norm))

@@ -18,7 +18,14 @@ from ds4_core.backend import Weight
 from ds4_core.errors import BackendError
 
 from .modules import INT8_TYPES, glue_kernel, quant_kernel
-from .prefill import gemm_rows, per_token_products, prefill_linear, prefill_moe
+from .prefill import (
+    gemm_rows,
+    per_token_products,
+    prefill_grouped_linear,
+    prefill_linear,
+    prefill_linears,
+    prefill_moe,
+)
 
 F32 = cp.float32
 #: Tokens per GEMV launch (MAX_TOKENS in quant.cu).
@@ -293,10 +300,14 @@ def _segment_table(rows: tuple[int, ...], addresses: tuple[int, ...]) -> Any:
 def linears(x: Any, weights: tuple[Weight, ...]) -> tuple[Any, ...]:
     """``x @ w.T`` for each of ``weights`` (``[out_i, in]``): ``x [..., in]`` -> ``[..., out_i]`` each. A few tokens
     and one format: one GEMV launch over the matrices' rows in turn (launches, not bytes, are what the small
-    projections of a decode step cost); else one linear each."""
+    projections of a decode step cost); a prefill converts ``x`` to 16 bits once for all of them; else one linear
+    each."""
     lead, ncols = x.shape[:-1], x.shape[-1]
     T = int(np.prod(lead))
     first = weights[0]
+    if T > GEMV_MAX_TOKENS and tensor_core_prefill() and all(len(w.shape) == 2 for w in weights):
+        outs = prefill_linears(x.reshape(T, ncols), tuple((w.data, w.qtype, ncols) for w in weights))
+        return tuple(y.reshape(*lead, w.shape[0]) for y, w in zip(outs, weights, strict=True))
     if not (0 < T <= GEMV_TOKENS and ncols % 8 == 0 and len(weights) > 1
             and all(w.qtype == first.qtype and w.shape[1:] == first.shape[1:] and len(w.shape) == 2
                     and w.data.shape[1] == first.data.shape[1] for w in weights)):
@@ -314,6 +325,8 @@ def linears(x: Any, weights: tuple[Weight, ...]) -> tuple[Any, ...]:
 def grouped_linear(x: Any, w: Weight) -> Any:
     """Block-diagonal projection: ``x [T, G, in]``, ``w [G·out, in]`` or ``[G, out, in]`` -> ``[T, G, out]``."""
     T, groups, ncols = x.shape
+    if T > GEMV_MAX_TOKENS and tensor_core_prefill():
+        return prefill_grouped_linear(x, w.data, w.qtype, ncols)
     rows = w.shape[1] if len(w.shape) == 3 else w.shape[0] // groups
     out = cp.empty((T, groups, rows), dtype=F32)
     if T <= GEMV_TOKENS and rows % ROWS_PER_WARP == 0 and ncols % 8 == 0 and T > 0:
@@ -339,11 +352,18 @@ def _norm_threads(d: int) -> int:
     return min(1024, max(32, -(-d // 128) * 32))  # about four elements per thread
 
 
+#: Float4s a lane of ``rms_norm_warps`` holds (WARP_QUADS in kernels/norm.cu): rows up to 128 of them wide.
+_WARP_QUADS = 8
+
+
 def _norm_rows(x: Any, w: Weight | None, eps: float, y: Any, rope_args: tuple) -> None:
-    d = x.shape[-1]
+    d, rows = x.shape[-1], x.size // x.shape[-1]
     scale = values_or_null(w)
-    glue_kernel("rms_norm_rows")((x.size // d,), (_norm_threads(d),), (
-        x, scale, _i32(d), F32(eps), y, *rope_args))
+    if x.shape[0] > GEMV_MAX_TOKENS and d % 128 == 0 and d <= 128 * _WARP_QUADS:  # a prefill's short rows
+        glue_kernel("rms_norm_warps")((-(-rows // 8),), (256,), (x, scale, _i32(d), F32(eps), y, _i64(rows),
+                                                                 *rope_args))
+        return
+    glue_kernel("rms_norm_rows")((rows,), (_norm_threads(d),), (x, scale, _i32(d), F32(eps), y, *rope_args))
 
 
 def norm_rope(x: Any, w: Weight | None, eps: float, positions: Any, inv_freq: Any) -> Any:
@@ -505,9 +525,11 @@ def _window_rows(T: int, first: int, window: int, comp_start: int, n_comp: int, 
 
 
 def window_attention(q: Any, kv: Any, first: int, window: int, comp_start: int, limit: Any,
-                     sinks: Weight | None, scale: float) -> Any:
+                     sinks: Weight | None, scale: float, positions: Any, inv_freq: Any) -> Any:
     """Sparse attention of a chunk over its sliding window (query ``t``: rows ``first + t ..`` of ``kv``, ``window``
-    of them, none below 0) and, with ``limit [T]``, the rows ``comp_start + w`` for ``w < limit[t]``.
+    of them, none below 0) and, with ``limit [T]``, the rows ``comp_start + w`` for ``w < limit[t]``; its output is
+    rotated back by the inverse RoPE at ``positions`` in place, on the rotated channels alone (``rope_tail``: a
+    rotation into a new array read and wrote all of them).
 
     Prefill reads the rows in place: the queries go by blocks of :data:`_WINDOW_BLOCK`, each multiplied on cuBLAS
     with the band of window rows its queries share (contiguous in ``kv``) and with all the compressed rows, and one
@@ -524,7 +546,7 @@ def window_attention(q: Any, kv: Any, first: int, window: int, comp_start: int, 
                             None if limit is None else limit[whole:])
         out[whole:] = sparse_attention(q[whole:], kv, rest, sinks, scale)
     if whole == 0:
-        return out
+        return _rope_in_place(out, positions, inv_freq)
     B, W = _WINDOW_BLOCK, window
     # A block's band (its B + W - 1 rows) and the score rows are padded to multiples of 4 floats: 16-byte aligned
     # operands keep cuBLAS on its vector kernels (odd strides took its align1 ones).
@@ -557,7 +579,21 @@ def window_attention(q: Any, kv: Any, first: int, window: int, comp_start: int, 
         if n_comp:
             gemm_rows(p.data.ptr + 4 * L, ldp, comp, d, oa, d, B * H, d, n_comp, transpose_b=False, batch=nb,
                       strides=(B * H * ldp, 0, B * H * d), accumulate=True, tf32=tf32)
-    return out
+    return _rope_in_place(out, positions, inv_freq)
+
+
+def _rope_in_place(x: Any, positions: Any, inv_freq: Any) -> Any:
+    """``x [T, ..., d]`` (contiguous float32) rotated back by the inverse RoPE at ``positions`` in place; -> x."""
+    half, d = inv_freq.shape[0], x.shape[-1]
+    if 2 * half > d:
+        raise BackendError(f"RoPE of {2 * half} channels does not fit rows of {d}")
+    n = x.size // d * half
+    if n:
+        pos = cp.ascontiguousarray(positions, dtype=cp.int32).reshape(-1)
+        glue_kernel("rope_tail")((-(-n // _THREADS),), (_THREADS,), (
+            x, pos, cp.ascontiguousarray(inv_freq, dtype=F32), _i64(n), _i32(d), _i32(half),
+            _i32(x.size // d // x.shape[0]), _i32(1)))
+    return x
 
 
 def _attends_rows(q: Any, idx: Any) -> bool:

@@ -83,7 +83,15 @@ def _module(qtype: str) -> Any:
         grid, _ = iq2xxs_tables()
         table = cp.ndarray((grid.size,), cp.uint8, module.get_global("iq2xxs_grid"))
         table[...] = cp.asarray(grid.astype(np.uint8).reshape(-1))
+        codes = cp.ndarray((256,), cp.uint16, module.get_global("iq2xxs_codes"))
+        codes[...] = cp.asarray(_grid_codes(grid))
     return module
+
+
+def _grid_codes(grid: np.ndarray) -> np.ndarray:
+    """IQ2_XXS's grid ``[256, 8]`` (magnitudes 8, 25, 43) as 2-bit codes 0, 1, 2, code i at bits 2i of a uint16."""
+    code = np.searchsorted(np.array([8, 25, 43]), grid).astype(np.uint16)
+    return (code << (2 * np.arange(8, dtype=np.uint16))).sum(axis=1, dtype=np.uint16)
 
 
 def _kernel(qtype: str, name: str) -> Any:
@@ -145,22 +153,24 @@ def to16(x: Any, half: str) -> tuple[Any, Any]:
 
 
 def _gemm_nt(w16: Any, half: str, x16: Any, out: Any, m: int, n: int, k: int, ldc: int, alpha_beta: Any,
-             batch: int = 1, stride_w: int = 0, stride_x: int = 0, stride_out: int = 0) -> None:
+             batch: int = 1, stride_w: int = 0, stride_x: int = 0, stride_out: int = 0, ldx: int = 0) -> None:
     """``out[b, t, r] = alpha · Σ_c w16[b, r, c] x16[b, t, c]`` (fp32 accumulate and output; ``r < m``, ``t < n``,
-    ``c < k``); ``out`` a device pointer whose rows are ``ldc`` floats apart. Scalars read on the device."""
+    ``c < k``); ``out`` a device pointer whose rows are ``ldc`` floats apart, ``x16``'s rows ``ldx`` values apart
+    (0: ``k``). Scalars read on the device."""
     handle = cp.cuda.device.get_cublas_handle()
     cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
     mode = cublas.getPointerMode(handle)
     cublas.setPointerMode(handle, _POINTER_MODE_DEVICE)
     kind = _CUDA_TYPE[half]
     alpha, beta = alpha_beta.data.ptr, alpha_beta.data.ptr + 4
+    ldx = ldx or k
     try:
         if batch == 1:
-            cublas.gemmEx(handle, _OP_T, _OP_N, m, n, k, alpha, w16.data.ptr, kind, k, x16.data.ptr, kind, k, beta,
+            cublas.gemmEx(handle, _OP_T, _OP_N, m, n, k, alpha, w16.data.ptr, kind, k, x16.data.ptr, kind, ldx, beta,
                           out, _CUDA_R_32F, ldc, _COMPUTE_32F, _GEMM_DEFAULT)
         else:
             cublas.gemmStridedBatchedEx(handle, _OP_T, _OP_N, m, n, k, alpha, w16.data.ptr, kind, k, stride_w,
-                                        x16.data.ptr, kind, k, stride_x, beta, out, _CUDA_R_32F, ldc, stride_out,
+                                        x16.data.ptr, kind, ldx, stride_x, beta, out, _CUDA_R_32F, ldc, stride_out,
                                         batch, _COMPUTE_32F, _GEMM_DEFAULT)
     finally:
         cublas.setPointerMode(handle, mode)
@@ -225,11 +235,12 @@ def _tile_rows(nrows: int, ncols: int) -> int:
     return min(rows, nrows)
 
 
-def prefill_linear(x: Any, raw: Any, qtype: str, ncols: int) -> Any:
+def prefill_linear(x: Any, raw: Any, qtype: str, ncols: int, converted: tuple[Any, Any] | None = None) -> Any:
     """``x [T, ncols] @ W.T`` for raw rows ``W [R, row bytes]`` on tensor cores -> float32 ``[T, R]``.
 
     Quantized ``W`` is dequantized by tiles of :data:`TILE_ELEMS` elements; F16 and BF16 rows are the GEMM's
-    operand in place; F32 goes through float32 sgemm. Scratch: one tile plus ``x`` in 16 bits.
+    operand in place; F32 goes through float32 sgemm. Scratch: one tile plus ``x`` in 16 bits, or ``converted``,
+    :func:`to16` of ``x`` in the format's 16-bit type made by the caller.
     """
     x = cp.ascontiguousarray(x, dtype=F32)
     T, nrows = x.shape[0], raw.shape[0]
@@ -240,7 +251,7 @@ def prefill_linear(x: Any, raw: Any, qtype: str, ncols: int) -> Any:
     if qtype == "F32":
         return cp.matmul(x, raw.view(F32).reshape(nrows, ncols).T, out=out)
     half = half_of(qtype)
-    x16, alpha_beta = to16(x, half)
+    x16, alpha_beta = converted or to16(x, half)
     if qtype in ("F16", "BF16"):
         _gemm_nt(raw, half, x16, out.data.ptr, nrows, T, ncols, nrows, alpha_beta)
         return out
@@ -250,6 +261,53 @@ def prefill_linear(x: Any, raw: Any, qtype: str, ncols: int) -> Any:
         n = min(step, nrows - r0)
         dequantize16(raw[r0:r0 + n], qtype, ncols, half, tile)
         _gemm_nt(tile, half, x16, out.data.ptr + 4 * r0, n, T, ncols, nrows, alpha_beta)
+    return out
+
+
+def prefill_linears(x: Any, mats: tuple[tuple[Any, str, int], ...]) -> tuple[Any, ...]:
+    """:func:`prefill_linear` of one ``x [T, ncols]`` and each of ``mats`` (raw rows, format, ncols), ``x``
+    converted to 16 bits once per 16-bit type rather than once per matrix."""
+    x = cp.ascontiguousarray(x, dtype=F32)
+    converted: dict[str, tuple[Any, Any]] = {}
+    outs = []
+    for raw, qtype, ncols in mats:
+        half = half_of(qtype)
+        if qtype != "F32" and half not in converted and x.size:
+            converted[half] = to16(x, half)
+        outs.append(prefill_linear(x, raw, qtype, ncols, converted.get(half)))
+    return tuple(outs)
+
+
+def prefill_grouped_linear(x: Any, raw: Any, qtype: str, ncols: int) -> Any:
+    """Block-diagonal ``x [T, G, ncols]`` times the G row blocks of raw rows ``W [G·R, row bytes]`` on tensor cores
+    -> float32 ``[T, G, R]``: ``x`` converted to 16 bits once, and one strided-batched GEMM per tile of whole groups
+    that reads each group's columns and writes its outputs in place (a GEMM per group needed two copies of each)."""
+    x = cp.ascontiguousarray(x, dtype=F32)
+    T, groups = x.shape[:2]
+    rows = raw.shape[0] // groups
+    out = cp.empty((T, groups, rows), dtype=F32)
+    if out.size == 0:
+        return out
+    raw = cp.ascontiguousarray(raw)
+    wide = groups * ncols  # x's row stride
+    if qtype == "F32":
+        gemm_rows(x.data.ptr, wide, raw.data.ptr, ncols, out.data.ptr, groups * rows, T, rows, ncols,
+                  transpose_b=True, batch=groups, strides=(ncols, rows * ncols, rows))
+        return out
+    half = half_of(qtype)
+    x16, alpha_beta = to16(x, half)
+    x16 = x16.reshape(T, wide)
+    if qtype in ("F16", "BF16"):
+        _gemm_nt(raw, half, x16, out.data.ptr, rows, T, ncols, groups * rows, alpha_beta, groups, rows * ncols, ncols,
+                 rows, ldx=wide)
+        return out
+    step = max(1, TILE_ELEMS // (rows * ncols))  # whole groups a tile
+    tile = cp.empty((min(step, groups) * rows, ncols), dtype=cp.uint16)
+    for g0 in range(0, groups, step):
+        n = min(step, groups - g0)
+        dequantize16(raw[g0 * rows:(g0 + n) * rows], qtype, ncols, half, tile)
+        _gemm_nt(tile, half, x16[:, g0 * ncols:], out.data.ptr + 4 * g0 * rows, rows, T, ncols, groups * rows,
+                 alpha_beta, n, rows * ncols, ncols, rows, ldx=wide)
     return out
 
 

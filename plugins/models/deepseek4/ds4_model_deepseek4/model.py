@@ -61,8 +61,8 @@ class Compressor:
         """
         xp, m, d = ops.xp, self.m, self.d
         T, b = x.shape[0], p0 % m  # b tokens of the open window are buffered
-        kv = ops.linear(x, self.kv)
-        gate = ops.linear(x, self.gate) + self.ape[pos % m]
+        kv, gate = fused(ops, "linears", compose_linears)(x, (self.kv, self.gate))
+        gate = gate + self.ape[pos % m]
         kv = xp.concatenate([cs.buf_kv[:b], kv])
         gate = xp.concatenate([cs.buf_gate[:b], gate])
         n_win = (b + T) // m
@@ -143,17 +143,19 @@ def window_rows(xp: Any, T: int, first: int, window: int) -> Any:
 
 
 def compose_window_attention(ops: Ops, q: Any, kv: Any, first: int, window: int, comp_start: int, limit: Any,
-                             sinks: Any, scale: float) -> Any:
+                             sinks: Any, scale: float, positions: Any, inv_freq: Any) -> Any:
     """A chunk's sparse attention whose rows have the prefill's shape, from core ops: the definition of the op
     ``window_attention``. Query ``t`` of ``q [T, H, d]`` reads the rows ``first + t .. first + t + window - 1`` of
     ``kv`` that are not negative (its sliding window), then, with ``limit [T]``, the rows ``comp_start + w`` for
-    ``w < limit[t]`` (the complete compressed rows, which follow the window's in ``kv``)."""
+    ``w < limit[t]`` (the complete compressed rows, which follow the window's in ``kv``); the output is rotated back
+    by the inverse RoPE at ``positions`` (the keys' rotation, which the values carry)."""
     xp = ops.xp
     parts = [window_rows(xp, q.shape[0], first, window)]
     if limit is not None:
         w = xp.arange(kv.shape[0] - comp_start)[None, :]
         parts.append(xp.where(w < limit[:, None], w + comp_start, -1))
-    return ops.sparse_attention(q, kv, xp.concatenate(parts, axis=1), sinks, scale)
+    o = ops.sparse_attention(q, kv, xp.concatenate(parts, axis=1), sinks, scale)
+    return ops.rope(o, positions, inv_freq, inverse=True)
 
 
 def compose_compress_step(ops: Ops, kv_row: Any, gate_row: Any, ape: Any, pos: Any, buf_kv: Any, buf_gate: Any,
@@ -318,8 +320,9 @@ class Attention:
         cfg = self.cfg
         q = fused(ops, "norm_rope", compose_norm_rope)(q, None, cfg.rms_norm_eps, pos, self.inv_freq)
         o = fused(ops, "window_attention", compose_window_attention)(
-            q, xp.concatenate(keys), first, W, n_prev + T, limit, self.attn_sinks, cfg.head_dim ** -0.5)
-        return self._output(ops, ops.rope(o, pos, self.inv_freq, inverse=True))
+            q, xp.concatenate(keys), first, W, n_prev + T, limit, self.attn_sinks, cfg.head_dim ** -0.5, pos,
+            self.inv_freq)
+        return self._output(ops, o)
 
     def step(self, ops: Ops, x: Any, pos: Any, ls: LayerState, index: StepIndex) -> Any:
         """One token ``x [1, D]`` at the device position ``pos [1]`` -> ``[1, D]``; advances ``ls``.

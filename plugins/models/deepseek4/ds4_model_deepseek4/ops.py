@@ -103,11 +103,12 @@ def moe_gate_route(x: Any, gate: Any, bias: Any, k: int, scale: float, fixed: An
 
 
 def window_attention(q: Any, kv: Any, first: int, window: int, comp_start: int, limit: Any, sinks: Any,
-                     scale: float) -> Any:
-    """Sparse attention over a prefill's window and complete compressed rows
+                     scale: float, positions: Any, inv_freq: Any) -> Any:
+    """Sparse attention over a prefill's window and complete compressed rows, its output rotated back
     (:func:`.model.compose_window_attention` over the core numpy ops), the reference of backends that read those
     rows in place instead of by a list per query."""
-    return compose_window_attention(_NUMPY_OPS, q, kv, first, window, comp_start, limit, sinks, scale)
+    return compose_window_attention(_NUMPY_OPS, q, kv, first, window, comp_start, limit, sinks, scale, positions,
+                                    inv_freq)
 
 
 DEEPSEEK4_OPS: dict[str, Callable] = {

@@ -172,10 +172,17 @@ __device__ void hc_split4_lane(const float* m, const float* __restrict__ scale, 
 }
 
 // Token t's mix row m [(2+n)·n] from the column slices of mix_slices (quant.cu): part [M + 1, slices] holds the
-// slices' products and sums of squares over K columns (slices a multiple of 4); lanes sum rows' slices (and the
-// squares' slices once), in slice order. By one warp; the row is in m when it returns.
+// slices' products and sums of squares over K columns (slices a multiple of 4, or 1: the whole rows' products and
+// sum of squares, as a prefill's GEMM and row_squares make them); lanes sum rows' slices (and the squares' slices
+// once), in slice order. By one warp; the row is in m when it returns.
 __device__ void hc_mix_row(float* __restrict__ m, const float* __restrict__ part, int M, int slices, int K,
                            float norm_eps) {
+    if (slices == 1) {
+        const float root = sqrtf(part[M] / (float)K + norm_eps);
+        for (int r = threadIdx.x & 31; r < M; r += 32) m[r] = part[r] / root;
+        __syncwarp();
+        return;
+    }
     const float4* p = reinterpret_cast<const float4*>(part);
     const int q = slices / 4, lane = threadIdx.x & 31;
     float squares = 0.f;
@@ -349,5 +356,72 @@ extern "C" __global__ void hc_expand(const float* __restrict__ S, const float* _
         for (int i = 0; i < HC_MAX; ++i)
             if (i < n) mixed = fmaf(c[i * n + k], s[i], mixed);
         out[(t * n + k) * D + d] = fmaf(post[t * n + k], yd, mixed);  // as hc_expand_mix (kernels/quant.cu)
+    }
+}
+
+// hc_expand of a prefill's tokens of HC_NORM_STREAMS streams, one block of HC_NORM_THREADS a token (D % 4 == 0,
+// D <= 4 · HC_QUADS · HC_NORM_THREADS): out[t, k, :] = post[t, k] · (y[t] + y2[t]) + sum_i comb[t, i, k] · S[t, i, :]
+// (y2 null: y alone), hc_expand's arithmetic after the graph's sum of a MoE's two outputs; and squares[t · ld], the
+// sum of squares of the token's new streams, which the next mix's norm takes (hc_split_norm with one slice). The two
+// launches of the sum and a pass over the new streams for their squares go into this one.
+extern "C" __global__ void __launch_bounds__(HC_NORM_THREADS) hc_expand_rows(
+        const float* __restrict__ S, const float* __restrict__ y, const float* __restrict__ y2,
+        const float* __restrict__ post, const float* __restrict__ comb, int D, float* __restrict__ out,
+        float* __restrict__ squares, int ld) {
+    grid_wait();
+    constexpr int N = HC_NORM_STREAMS;
+    __shared__ float partial[32];
+    const size_t t = blockIdx.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5, D4 = D / 4;
+    const float4* s = reinterpret_cast<const float4*>(S + t * N * D);
+    const float4* ya = reinterpret_cast<const float4*>(y + t * D);
+    const float4* yb = reinterpret_cast<const float4*>(y2 ? y2 + t * D : y);
+    float4 v[HC_QUADS][N], yv[HC_QUADS];
+#pragma unroll
+    for (int k = 0; k < HC_QUADS; ++k) {  // every load in flight before the arithmetic
+        const int d = threadIdx.x + k * blockDim.x;
+        const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int i = 0; i < N; ++i) v[k][i] = d < D4 ? s[(size_t)i * D4 + d] : zero;
+        yv[k] = d < D4 ? ya[d] : zero;
+        if (y2) {
+            const float4 b = d < D4 ? yb[d] : zero;
+            yv[k] = make_float4(yv[k].x + b.x, yv[k].y + b.y, yv[k].z + b.z, yv[k].w + b.w);
+        }
+    }
+    float c[N * N], p[N];
+#pragma unroll
+    for (int i = 0; i < N * N; ++i) c[i] = comb[t * N * N + i];
+#pragma unroll
+    for (int k = 0; k < N; ++k) p[k] = post[t * N + k];
+    float ss = 0.f;
+    float4* o = reinterpret_cast<float4*>(out + t * N * D);
+#pragma unroll
+    for (int k = 0; k < HC_QUADS; ++k) {
+        const int d = threadIdx.x + k * blockDim.x;
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+            float4 m = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+                m.x = fmaf(c[i * N + j], v[k][i].x, m.x);
+                m.y = fmaf(c[i * N + j], v[k][i].y, m.y);
+                m.z = fmaf(c[i * N + j], v[k][i].z, m.z);
+                m.w = fmaf(c[i * N + j], v[k][i].w, m.w);
+            }
+            m = make_float4(fmaf(p[j], yv[k].x, m.x), fmaf(p[j], yv[k].y, m.y), fmaf(p[j], yv[k].z, m.z),
+                            fmaf(p[j], yv[k].w, m.w));
+            if (d < D4) {
+                o[(size_t)j * D4 + d] = m;
+                ss = fmaf(m.x, m.x, fmaf(m.y, m.y, fmaf(m.z, m.z, fmaf(m.w, m.w, ss))));
+            }
+        }
+    }
+    ss = butterfly_sum<1, 32>(ss);
+    if (lane == 0) partial[warp] = ss;
+    __syncthreads();
+    if (warp == 0) {
+        ss = butterfly_sum<1, 32>(lane < warps ? partial[lane] : 0.f);
+        if (lane == 0) squares[t * ld] = ss;
     }
 }

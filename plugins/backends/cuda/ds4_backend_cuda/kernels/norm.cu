@@ -56,6 +56,55 @@ extern "C" __global__ void rms_norm_rows(const float* __restrict__ x, const floa
     for (int i = threadIdx.x + HELD * blockDim.x; i < d; i += blockDim.x) yr[i] = w ? xr[i] / root * w[i] : xr[i] / root;
 }
 
+// rms_norm_rows for a prefill's many short rows: a warp a row (d % 128 == 0, d <= 128 · WARP_QUADS), as many rows
+// a block as it has warps, so no barrier and no block per row (the block a row of rms_norm_rows moved its queries at a
+// third of the copy rate). Lane l holds float4s l, l + 32, .. of its row: a rotated pair is in one float4. The same
+// arithmetic as rms_norm_rows but the order of the sum of squares.
+#define WARP_QUADS 8
+extern "C" __global__ void rms_norm_warps(const float* __restrict__ x, const float* __restrict__ w, int d, float eps,
+                                          float* __restrict__ y, long long rows, const int* __restrict__ pos,
+                                          const float* __restrict__ inv_freq, int half, int rows_per_token) {
+    grid_wait();
+    const long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= rows) return;  // whole warps leave together
+    const int lane = threadIdx.x & 31, quads = d / 128;
+    const float4* xr = reinterpret_cast<const float4*>(x + r * d);
+    float4 v[WARP_QUADS], g[WARP_QUADS];
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < WARP_QUADS; ++k) {
+        if (k < quads) {
+            v[k] = xr[lane + 32 * k];
+            g[k] = w ? reinterpret_cast<const float4*>(w)[lane + 32 * k] : make_float4(1.f, 1.f, 1.f, 1.f);
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < WARP_QUADS; ++k)
+        if (k < quads) ss = fmaf(v[k].x, v[k].x, fmaf(v[k].y, v[k].y, fmaf(v[k].z, v[k].z, fmaf(v[k].w, v[k].w, ss))));
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    const float root = sqrtf(ss / (float)d + eps);
+    const float p = pos ? (float)pos[r / rows_per_token] : 0.f;
+    float4* yr = reinterpret_cast<float4*>(y + r * d);
+#pragma unroll
+    for (int k = 0; k < WARP_QUADS; ++k) {
+        if (k >= quads) continue;
+        float o[4] = {v[k].x / root * g[k].x, v[k].y / root * g[k].y, v[k].z / root * g[k].z, v[k].w / root * g[k].w};
+        const int c = 4 * (lane + 32 * k);
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+            const int j = c + e - (d - 2 * half);
+            if (pos && j >= 0) {
+                float s, co;
+                sincosf(p * inv_freq[j >> 1], &s, &co);
+                const float a = o[e], b = o[e + 1];
+                o[e] = a * co - b * s;
+                o[e + 1] = a * s + b * co;
+            }
+        }
+        yr[lane + 32 * k] = make_float4(o[0], o[1], o[2], o[3]);
+    }
+}
+
 // Rotation of the trailing 2·half channels of each row of width d, pairs (2i, 2i+1) by pos[t] · inv_freq[i]
 // (backwards when inverse); the leading channels are copied. Rows are grouped per token: row r belongs to token
 // r / rows_per_token. One thread per element; n = all elements.
@@ -78,4 +127,55 @@ extern "C" __global__ void rope_rows(const float* __restrict__ x, const int* __r
     if (inverse) s = -s;
     const float a = x[e - (j & 1)], b = x[e - (j & 1) + 1];
     y[e] = (j & 1) ? a * s + b * co : a * co - b * s;
+}
+
+// rope_rows in place on the rotated channels alone: pair i < half of row r (the trailing 2·half of its d channels)
+// turned by pos[r / rows_per_token] · inv_freq[i] (backwards when inverse), the same arithmetic as rope_rows; the
+// leading channels are neither read nor written. One thread per pair; n = rows · half.
+extern "C" __global__ void rope_tail(float* __restrict__ x, const int* __restrict__ pos,
+                                     const float* __restrict__ inv_freq, long long n, int d, int half,
+                                     int rows_per_token, int inverse) {
+    grid_wait();
+    const long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= n) return;
+    const long long row = e / half;
+    const int i = (int)(e - row * half);
+    float s, co;
+    sincosf((float)pos[row / rows_per_token] * inv_freq[i], &s, &co);
+    if (inverse) s = -s;
+    float2* pair = reinterpret_cast<float2*>(x + row * d + d - 2 * half) + i;
+    const float2 v = *pair;
+    *pair = make_float2(v.x * co - v.y * s, v.x * s + v.y * co);
+}
+
+// out[r * ld] = the sum of squares of row r of x [rows, d] (d % 4 == 0, x 16-byte aligned): a prefill's RMSNorm
+// scale of the hyper-connection streams, whose mix needs no normalised copy of them. One block per row; a thread's
+// float4 loads are all issued before its sum.
+#define SQUARES_LOADS 4
+extern "C" __global__ void row_squares(const float* __restrict__ x, int d, float* __restrict__ out, int ld) {
+    grid_wait();
+    __shared__ float partial[32];
+    const float4* xr = reinterpret_cast<const float4*>(x + (size_t)blockIdx.x * d);
+    const int d4 = d / 4;
+    float ss = 0.f;
+    for (int i0 = threadIdx.x; i0 < d4; i0 += SQUARES_LOADS * blockDim.x) {
+        float4 v[SQUARES_LOADS];
+#pragma unroll
+        for (int k = 0; k < SQUARES_LOADS; ++k) {
+            const int i = i0 + k * blockDim.x;
+            v[k] = i < d4 ? xr[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int k = 0; k < SQUARES_LOADS; ++k)
+            ss = fmaf(v[k].x, v[k].x, fmaf(v[k].y, v[k].y, fmaf(v[k].z, v[k].z, fmaf(v[k].w, v[k].w, ss))));
+    }
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    if (lane == 0) partial[warp] = ss;
+    __syncthreads();
+    if (warp == 0) {
+        ss = lane < warps ? partial[lane] : 0.f;
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if (lane == 0) out[(size_t)blockIdx.x * ld] = ss;
+    }
 }

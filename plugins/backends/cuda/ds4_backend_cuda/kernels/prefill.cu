@@ -70,12 +70,33 @@ struct Decode32 {
     }
 };
 
+// IQ2_XXS's grid rows as 2-bit codes (0, 1, 2 for 8, 25, 43; code i at bits 2i), filled from the host: a lookup
+// reads 2 bytes of a 512-byte table (the 8-byte rows of iq2xxs_grid spread a warp's lookups over 16 cache lines).
+__device__ u16 iq2xxs_codes[256];
+
+// IQ2_XXS to fp16: the group's three magnitudes times its scale are rounded once, and each pair of weights is picked
+// from them by one prmt whose selector the pair's two codes make (as Q2_K's decode); signs flip the fp16 sign bits
+// after rounding, which commutes with negation. The bits of decode + pack8<Half>.
 template <>
 struct Decode32<IQ2_XXS, Half> {
     static __device__ __forceinline__ void run(const u8* base, int c, uint4* out) {
         const IQ2_XXS::Head h = IQ2_XXS::head(base + c / IQ2_XXS::QK * IQ2_XXS::BYTES, c % IQ2_XXS::QK / 32);
+        const u32 lo = Half::from2(8.f * h.scale, 25.f * h.scale), hi = Half::from(43.f * h.scale);
 #pragma unroll
-        for (int k = 0; k < 4; k++) out[k] = iq2xxs_half8(h, k);
+        for (int k = 0; k < 4; k++) {
+            const u32 sg = IQ2_XXS::signs(h, k);
+            const u32 spread[2] = {(sg & 0xFu) * 0x10204080u, (sg >> 4) * 0x10204080u};  // bit 8i + 7: element i's sign
+            const u32 codes = iq2xxs_codes[(h.grid >> (8 * k)) & 255];
+            u32 o[4];
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                u32 mask;  // prmt's sign mode: byte 1 (3) all ones when element 2q (2q + 1) is negative
+                asm("prmt.b32 %0, %1, 0, %2;" : "=r"(mask) : "r"(spread[q / 2]), "r"(q % 2 ? 0xB4A4u : 0x9484u));
+                const u32 x = (codes >> (4 * q)) & 0xFu;  // the pair's codes a | b << 2 -> a | b << 8
+                o[q] = __byte_perm(lo, hi, (x + (x & 0xCu) * 63u) * 0x22u + 0x1010u) ^ (mask & 0x80008000u);
+            }
+            out[k] = make_uint4(o[0], o[1], o[2], o[3]);
+        }
     }
 };
 
@@ -310,10 +331,11 @@ template <class Q, int NW>
 struct MmaPlan {
     static constexpr int SPAN = Q::QK > MMA_BK ? Q::QK : MMA_BK;
     static constexpr int WIN = SPAN / Q::QK * Q::BYTES;
-    static constexpr int CH = Q::BYTES % 16 == 0 ? 16 : Q::BYTES % 8 == 0 ? 8 : 4;
-    static constexpr int LD = (WIN + 2 * CH - 2) / CH * CH;
     static constexpr int TILE = MMA_BM * MMA_LD;  // 16-bit values of an A or B tile
-    static constexpr int OPS = (NW + 2) * TILE * 2, RAW = NW * MMA_BM * LD, ACC = NW * MMA_BN * MMA_CLD * 4;
+    static constexpr int OPS = (NW + 2) * TILE * 2, ACC = NW * MMA_BN * MMA_CLD * 4;
+    static constexpr bool WIDE = OPS + NW * MMA_BM * ((WIN + 30) / 16 * 16) <= 48 * 1024;  // 16-byte copies fit
+    static constexpr int CH = WIDE || Q::BYTES % 16 == 0 ? 16 : Q::BYTES % 8 == 0 ? 8 : 4;
+    static constexpr int LD = (WIN + 2 * CH - 2) / CH * CH, RAW = NW * MMA_BM * LD;
     static constexpr bool STAGED = OPS + RAW <= 48 * 1024;
     static constexpr int USED = OPS + (STAGED ? RAW : 0), SMEM = USED > ACC ? USED : ACC;
     static constexpr int BLOCKS = NW == 2 ? 4 : 6;
