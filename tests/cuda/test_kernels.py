@@ -367,7 +367,7 @@ def test_hc_and_deepseek4_ops(cuda_backend, n, D, T, rng):
     from ds4_core import ops_hc
 
     xp, host = cuda_backend.asarray, cuda_backend.to_numpy
-    atol = 1e-5 if T <= 8 else 5e-5  # a prefill's mix is one GEMM over n·D columns, summed in cuBLAS's order
+    atol = 1e-5 if T <= 8 else 2e-4  # a prefill's mix: a GEMM over n·D columns in cuBLAS's order, then Sinkhorn
     S = rng.standard_normal((T, n, D), dtype=np.float32)
     fn_ref, fn = _pair(cuda_backend, "F16", ((2 + n) * n, n * D), rng)
     sc_ref, sc = _pair(cuda_backend, "F32", (3,), rng)

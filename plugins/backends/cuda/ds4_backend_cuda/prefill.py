@@ -6,14 +6,15 @@ chosen per format by accuracy (:data:`HALF_OF`): fp16 (11 significant bits) for 
 integers times an f16 scale, bf16 (8 bits, float32's range) where it is exact: BF16 weights and MXFP4 (E2M1 times
 a power of two, whose exponents can leave fp16's range). F32 matrices stay float32 (sgemm, read in place).
 
-Routed experts (:func:`prefill_moe`): the (token, slot) pairs are sorted by expert on the device and the
-per-expert counts read once. When gate and up share a format, one kernel per matrix kind (``moe_mma16``) takes a
-tile of up to 64 of an expert's tokens, dequantizes 64 rows of the expert's matrix into shared memory a slice at
-a time and multiplies them on tensor cores: the quantized weights are read once per token tile and no 16-bit copy
-is written. Gate and up go together with SwiGLU applied on the way out; the down kernel writes each pair's row
-times its routing weight; rows are summed per token in a fixed order. Otherwise (gate and up in different
-formats) experts, largest first, go in groups that fit a scratch budget, each group dequantized to 16 bits once
-and multiplied with all its tokens by one strided-batched cuBLAS GEMM.
+Routed experts (:func:`prefill_moe`): the (token, slot) pairs are sorted by expert on the device. When gate and up
+share a format, the tiles are listed on the device too (``moe_tiles``), and one kernel per matrix kind
+(``moe_mma16``) takes a tile of up to 64 of an expert's tokens, dequantizes 64 rows of the expert's matrix into
+shared memory a slice at a time and multiplies them on tensor cores: the quantized weights are read once per token
+tile and no 16-bit copy is written. Gate and up go together with SwiGLU applied on the way out; the down kernel
+writes each pair's row times its routing weight; rows are summed per token in a fixed order. Otherwise (gate and up
+in different formats) the per-expert counts are read to the host once, and experts, largest first, go in groups
+that fit a scratch budget, each group dequantized to 16 bits once and multiplied with all its tokens by one
+strided-batched cuBLAS GEMM.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def warm(qtypes: tuple[str, ...]) -> None:
             _kernel(qtype, f"dequant16<{qtype}, {o}>")
             for nw in (1, 2):
                 _kernel(qtype, f"moe_mma16<{qtype}, {o}, {nw}>")
-    for name in ("gather16", "scatter_pairs", "sum_pairs", "amax_abs",
+    for name in ("gather16", "scatter_pairs", "sum_pairs", "amax_abs", "moe_tiles",
                  *(f"{k}<{o}>" for k in ("to16", "swiglu16", "rows_to16") for o in _OUT_TYPE.values())):
         _shared(name)
 
@@ -329,8 +330,8 @@ def prefill_moe(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, i
 
     Same semantics as :func:`ds4_backend_cuda.ops.moe_experts`: ``gate_exps``/``up_exps`` ``[E, I, D]``,
     ``down_exps`` ``[E, D, I]``, ``idx`` int ``[T, k]`` (negative ids contribute nothing), ``weights [T, k]``.
-    ``D`` and ``I`` must be multiples of 8. Tokens go in passes of :data:`MOE_TOKENS_PER_PASS`; one host read of
-    the per-expert counts per pass.
+    ``D`` and ``I`` must be multiples of 8. Tokens go in passes of :data:`MOE_TOKENS_PER_PASS`; only experts whose
+    gate and up differ in format read the per-expert counts to the host, once per pass.
     """
     _, inter, D = gate_exps.shape
     if D % 8 or inter % 8:
@@ -351,43 +352,53 @@ def prefill_moe(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, i
 
 def _moe_pass(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, idx: Any, weights: Any,
               swiglu_limit: float) -> Any:
-    E, inter, D = gate_exps.shape
+    E, _, D = gate_exps.shape
     T, k = idx.shape
     flat = cp.ascontiguousarray(idx.reshape(-1))
-    key = cp.where((flat < 0) | (flat >= E), E, flat)
+    key = cp.where((flat < 0) | (flat >= E), E, flat).astype(cp.int32)
     pairs = cp.argsort(key).astype(cp.int32)  # (token, slot) ids grouped by expert
+    ypairs = cp.empty((T * k, D), dtype=F32)  # rows of slots without an expert stay unwritten and unread
+    if _fused(gate_exps, up_exps, down_exps):
+        _moe_fused(x, gate_exps, up_exps, down_exps, pairs, key[pairs], k, weights, swiglu_limit, ypairs)
+    else:
+        _moe_grouped(x, gate_exps, up_exps, down_exps, pairs, key, k, weights, swiglu_limit, ypairs)
+    out = cp.empty((T, D), dtype=F32)
+    _shared("sum_pairs")((-(-D // (4 * _THREADS)), T), (_THREADS,), (ypairs, flat, _i32(k), _i32(E), _i32(D), out))
+    return out
+
+
+def _moe_grouped(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, pairs: Any, key: Any, k: int,
+                 weights: Any, swiglu_limit: float, ypairs: Any) -> None:
+    """The routed experts in groups of whole experts, each dequantized to 16 bits and multiplied by cuBLAS (gate and
+    up in different formats); the per-expert counts ``key``'s ids give are read once to the host."""
+    E, inter, D = gate_exps.shape
     counts = cp.asnumpy(cp.bincount(key, minlength=E + 1))[:E]  # the one host read of the pass
     starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
     active = np.argsort(-counts, kind="stable")
     active = active[counts[active] > 0]
-    ypairs = cp.empty((T * k, D), dtype=F32)  # rows of slots without an expert stay unwritten and unread
-    if active.size and _fused(gate_exps, up_exps, down_exps):
-        _moe_fused(x, gate_exps, up_exps, down_exps, pairs, counts, starts, active, k, weights, swiglu_limit, ypairs)
-    elif active.size:
-        gu_half = half_of(gate_exps.qtype) if half_of(gate_exps.qtype) == half_of(up_exps.qtype) else "bf16"
-        down_half = half_of(down_exps.qtype)
-        x16, alpha_beta = to16(x, gu_half)
-        one_zero = cp.zeros(2, dtype=F32)
-        one_zero[0] = 1
-        experts = cp.asarray(active.astype(np.int32))
-        seg_off = cp.asarray(starts[active].astype(np.int32))
-        seg_cnt = cp.asarray(counts[active].astype(np.int32))
-        weight_bytes = 2 * 3 * inter * D
-        row_bytes = 2 * D + 4 * 2 * inter + 2 * inter + 4 * D + 4
-        groups = _expert_groups(counts[active], weight_bytes, row_bytes)
-        most = max(b - a for a, b, _ in groups)
-        rows = max((b - a) * m for a, b, m in groups)
-        w_gu = cp.empty((most, 2 * inter, D), dtype=cp.uint16)
-        w_down = cp.empty((most, D, inter), dtype=cp.uint16)
-        xp, gu = cp.empty((rows, D), dtype=cp.uint16), cp.empty((rows, 2 * inter), dtype=F32)
-        h, hs, y = cp.empty((rows, inter), dtype=cp.uint16), cp.empty(rows, dtype=F32), cp.empty((rows, D), F32)
-        for a, b, m_pad in groups:
-            _expert_group(x16, alpha_beta, one_zero, gate_exps, up_exps, down_exps, experts[a:b], seg_off[a:b],
-                          seg_cnt[a:b], m_pad, pairs, k, weights, swiglu_limit, gu_half, down_half,
-                          (w_gu, w_down, xp, gu, h, hs, y), ypairs)
-    out = cp.empty((T, D), dtype=F32)
-    _shared("sum_pairs")((-(-D // (4 * _THREADS)), T), (_THREADS,), (ypairs, flat, _i32(k), _i32(E), _i32(D), out))
-    return out
+    if not active.size:
+        return
+    gu_half = half_of(gate_exps.qtype) if half_of(gate_exps.qtype) == half_of(up_exps.qtype) else "bf16"
+    down_half = half_of(down_exps.qtype)
+    x16, alpha_beta = to16(x, gu_half)
+    one_zero = cp.zeros(2, dtype=F32)
+    one_zero[0] = 1
+    experts = cp.asarray(active.astype(np.int32))
+    seg_off = cp.asarray(starts[active].astype(np.int32))
+    seg_cnt = cp.asarray(counts[active].astype(np.int32))
+    weight_bytes = 2 * 3 * inter * D
+    row_bytes = 2 * D + 4 * 2 * inter + 2 * inter + 4 * D + 4
+    groups = _expert_groups(counts[active], weight_bytes, row_bytes)
+    most = max(b - a for a, b, _ in groups)
+    rows = max((b - a) * m for a, b, m in groups)
+    w_gu = cp.empty((most, 2 * inter, D), dtype=cp.uint16)
+    w_down = cp.empty((most, D, inter), dtype=cp.uint16)
+    xp, gu = cp.empty((rows, D), dtype=cp.uint16), cp.empty((rows, 2 * inter), dtype=F32)
+    h, hs, y = cp.empty((rows, inter), dtype=cp.uint16), cp.empty(rows, dtype=F32), cp.empty((rows, D), F32)
+    for a, b, m_pad in groups:
+        _expert_group(x16, alpha_beta, one_zero, gate_exps, up_exps, down_exps, experts[a:b], seg_off[a:b],
+                      seg_cnt[a:b], m_pad, pairs, k, weights, swiglu_limit, gu_half, down_half,
+                      (w_gu, w_down, xp, gu, h, hs, y), ypairs)
 
 
 def _fused(gate_exps: Weight, up_exps: Weight, down_exps: Weight) -> bool:
@@ -396,20 +407,21 @@ def _fused(gate_exps: Weight, up_exps: Weight, down_exps: Weight) -> bool:
     return gate_exps.qtype == up_exps.qtype and D % _MMA_TILE == 0 and inter % _MMA_TILE == 0
 
 
-def _moe_fused(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, pairs: Any, counts: np.ndarray,
-               starts: np.ndarray, active: np.ndarray, k: int, weights: Any, limit: float, ypairs: Any) -> None:
-    """The routed experts by ``moe_mma16`` tiles of up to 64 tokens of one expert (see the module docstring)."""
-    _, inter, D = gate_exps.shape
+def _moe_fused(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, pairs: Any, sorted_ids: Any, k: int,
+               weights: Any, limit: float, ypairs: Any) -> None:
+    """The routed experts by ``moe_mma16`` tiles of up to 64 tokens of one expert (see the module docstring); the
+    tiles are made on the device (``moe_tiles``) from the pairs' expert ids in sorted order, ``sorted_ids``."""
+    E, inter, D = gate_exps.shape
     gu_half, down_half = half_of(gate_exps.qtype), half_of(down_exps.qtype)
-    tiles = np.array([(e, starts[e] + t0, min(_MMA_TILE, counts[e] - t0))
-                      for e in active for t0 in range(0, int(counts[e]), _MMA_TILE)], dtype=np.int32)
-    tiles = cp.asarray(tiles)
-    rows = int(counts.sum())  # pairs with an expert; sorted first, so rows 0 .. rows - 1 of the sorted order
+    rows = pairs.shape[0]  # the pairs with an expert come first in the sorted order; the rest are never read
+    max_tiles = min(E, rows) + rows // _MMA_TILE  # an expert with c pairs takes ceil(c / 64) <= c / 64 + 1 tiles
+    tiles = cp.empty(3 * max_tiles, dtype=cp.int32)
+    _shared("moe_tiles")((1,), (1024,), (sorted_ids, _i32(rows), _i32(E), tiles, _i32(max_tiles)))
     x16, alpha_beta = to16(x, gu_half)
     h = cp.empty((rows, inter), dtype=F32)
     none = np.uint64(0)
     _kernel(gate_exps.qtype, f"moe_mma16<{gate_exps.qtype}, {_OUT_TYPE[gu_half]}, 2>")(
-        (inter // _MMA_TILE, tiles.shape[0]), (128,),
+        (inter // _MMA_TILE, max_tiles), (128,),
         (gate_exps.data, up_exps.data, _i64(inter * gate_exps.data.shape[-1]), _i64(gate_exps.data.shape[-1]),
          _i32(inter), _i32(D), tiles, x16, pairs, _i32(k), _i32(1), alpha_beta, F32(limit), none, none, h,
          _i32(inter)))
@@ -417,7 +429,7 @@ def _moe_fused(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, pa
     _shared(f"rows_to16<{_OUT_TYPE[down_half]}>")((rows,), (_THREADS,), (h, _i32(inter), h16, hs))
     one = cp.ones(1, dtype=F32)
     _kernel(down_exps.qtype, f"moe_mma16<{down_exps.qtype}, {_OUT_TYPE[down_half]}, 1>")(
-        (D // _MMA_TILE, tiles.shape[0]), (128,),
+        (D // _MMA_TILE, max_tiles), (128,),
         (down_exps.data, none, _i64(D * down_exps.data.shape[-1]), _i64(down_exps.data.shape[-1]), _i32(D),
          _i32(inter), tiles, h16, pairs, _i32(k), _i32(0), one, F32(0), hs, weights, ypairs, _i32(D)))
 

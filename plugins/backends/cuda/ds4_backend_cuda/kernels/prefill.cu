@@ -395,6 +395,7 @@ __global__ void __launch_bounds__(128, (MmaPlan<Q, NW>::BLOCKS)) moe_mma16(
     u8* R = smem + S::OPS;  // STAGED: the raw window of (matrix n, row r) at (n * MMA_BM + r) * S::LD
     float* C = reinterpret_cast<float*>(smem);  // after the loop: NW tiles [MMA_BN][MMA_CLD]
     int e = tiles[3 * blockIdx.y], first = tiles[3 * blockIdx.y + 1], cnt = tiles[3 * blockIdx.y + 2];
+    if (cnt == 0) return;  // a tile slot past the last tile (moe_tiles)
     int r0 = blockIdx.x * MMA_BM, tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
     int wr = 32 * (warp >> 1), wc = 32 * (warp & 1);
     constexpr int UNITS = MMA_BN * MMA_BK / 8 / 128;  // 8-value activation units a thread copies a step
@@ -506,6 +507,54 @@ __global__ void __launch_bounds__(128, (MmaPlan<Q, NW>::BLOCKS)) moe_mma16(
             int p = pairs[first + m];
             out[(long long)p * ldc + r0 + r] = v * hs[first + m] * weights[p];
         }
+    }
+}
+
+// The first index i of sorted[0 .. n) with sorted[i] >= v (sorted ascending).
+__device__ __forceinline__ int lower_bound(const int* __restrict__ sorted, int n, int v) {
+    int lo = 0, hi = n;
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (sorted[mid] < v) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+// moe_mma16's tiles from the pairs' expert ids sorted[0 .. n) (ascending; ids >= E, slots without an expert, last):
+// tiles[3 i ..] = (expert, first sorted pair, tokens <= MMA_BN), each expert's pairs in tiles of MMA_BN, experts in
+// order; slots from the last tile up to max_tiles get no tokens. On the device, so a prefill's MoE reads nothing back
+// to the host (the counts were a host synchronisation per layer). One block of at most 1024 threads.
+extern "C" __global__ void moe_tiles(const int* __restrict__ sorted, int n, int E, int* __restrict__ tiles,
+                                     int max_tiles) {
+    __shared__ int scan[1024];
+    int base = 0;  // tiles of the experts before this round's
+    for (int e0 = 0; e0 < E; e0 += blockDim.x) {
+        const int e = e0 + threadIdx.x;
+        const int first = e < E ? lower_bound(sorted, n, e) : 0;
+        const int cnt = e < E ? lower_bound(sorted, n, e + 1) - first : 0;
+        const int own = (cnt + MMA_BN - 1) / MMA_BN;
+        scan[threadIdx.x] = own;
+        __syncthreads();
+        for (int off = 1; off < (int)blockDim.x; off <<= 1) {  // inclusive prefix sum
+            const int add = (int)threadIdx.x >= off ? scan[threadIdx.x - off] : 0;
+            __syncthreads();
+            scan[threadIdx.x] += add;
+            __syncthreads();
+        }
+        const int t0 = base + scan[threadIdx.x] - own;
+        for (int i = 0; i < own; i++) {
+            tiles[3 * (t0 + i)] = e;
+            tiles[3 * (t0 + i) + 1] = first + MMA_BN * i;
+            tiles[3 * (t0 + i) + 2] = min(MMA_BN, cnt - MMA_BN * i);
+        }
+        base += scan[blockDim.x - 1];
+        __syncthreads();
+    }
+    for (int i = base + threadIdx.x; i < max_tiles; i += blockDim.x) {
+        tiles[3 * i] = 0;
+        tiles[3 * i + 1] = 0;
+        tiles[3 * i + 2] = 0;
     }
 }
 
