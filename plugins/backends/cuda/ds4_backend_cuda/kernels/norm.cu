@@ -1,6 +1,22 @@
 // RMSNorm and interleaved RoPE as one launch each. As CuPy array code they cost about 5 and 12 launches per call,
 // and a decode step calls them a few dozen times, so in a recorded graph their launch gaps outweighed the work.
 
+// v summed over the block (blockDim.x a multiple of 32, at most 1024), warps' sums in warp order, the total returned
+// to every thread; partial: 32 floats of shared memory.
+__device__ __forceinline__ float block_sum(float v, float* partial) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < warps ? partial[lane] : 0.f;
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (lane == 0) partial[0] = v;
+    }
+    __syncthreads();
+    return partial[0];
+}
+
 // y[r] = x[r] / sqrt(mean(x[r]^2) + eps) [· w] for rows of width d; one block per row (blockDim.x a multiple of 32,
 // at most 1024); w may be null. A thread's first HELD elements and their weights are loaded at once and kept in
 // registers for the second pass (a strided loop would wait for each load in turn, and weights loaded after the sum
@@ -25,17 +41,7 @@ extern "C" __global__ void rms_norm_rows(const float* __restrict__ x, const floa
 #pragma unroll
     for (int k = 0; k < HELD; ++k) ss = fmaf(v[k], v[k], ss);
     for (int i = threadIdx.x + HELD * blockDim.x; i < d; i += blockDim.x) ss = fmaf(xr[i], xr[i], ss);
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    if (lane == 0) partial[warp] = ss;
-    __syncthreads();
-    if (warp == 0) {
-        ss = lane < warps ? partial[lane] : 0.f;
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        if (lane == 0) partial[0] = ss;
-    }
-    __syncthreads();
-    const float root = sqrtf(partial[0] / (float)d + eps);
+    const float root = sqrtf(block_sum(ss, partial) / (float)d + eps);
     float* yr = y + (size_t)blockIdx.x * d;
     const float p = pos ? (float)pos[blockIdx.x / rows_per_token] : 0.f;
 #pragma unroll
@@ -169,13 +175,6 @@ extern "C" __global__ void row_squares(const float* __restrict__ x, int d, float
         for (int k = 0; k < SQUARES_LOADS; ++k)
             ss = fmaf(v[k].x, v[k].x, fmaf(v[k].y, v[k].y, fmaf(v[k].z, v[k].z, fmaf(v[k].w, v[k].w, ss))));
     }
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    if (lane == 0) partial[warp] = ss;
-    __syncthreads();
-    if (warp == 0) {
-        ss = lane < warps ? partial[lane] : 0.f;
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        if (lane == 0) out[(size_t)blockIdx.x * ld] = ss;
-    }
+    ss = block_sum(ss, partial);
+    if (threadIdx.x == 0) out[(size_t)blockIdx.x * ld] = ss;
 }
