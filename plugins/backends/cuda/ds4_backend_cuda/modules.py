@@ -38,8 +38,9 @@ def source(name: str) -> str:
 
 
 def program(*names: str) -> str:
-    """The sources ``names`` of one module, after ``pdl.cuh`` (``grid_wait``, which their kernels call)."""
-    return "\n".join(source(name) for name in ("pdl.cuh", *names))
+    """The sources ``names`` of one module, after ``pdl.cuh`` (``grid_wait``, which their kernels call) and
+    ``reduce.cuh`` (``block_sum``)."""
+    return "\n".join(source(name) for name in ("pdl.cuh", "reduce.cuh", *names))
 
 
 def _kernels(qtype: str) -> dict[str, str]:

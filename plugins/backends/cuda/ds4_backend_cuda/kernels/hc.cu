@@ -261,7 +261,7 @@ extern "C" __global__ void __launch_bounds__(HC_NORM_THREADS) hc_split_norm(
     grid_wait();
     constexpr int N = HC_NORM_STREAMS, M = (2 + N) * N;
     __shared__ float weight[N], partial[32], row[M];
-    const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const float* p = part + (size_t)t * (M + 1) * slices;
     if (blockIdx.y == 1) {
         if (warp == 0) {
@@ -301,15 +301,7 @@ extern "C" __global__ void __launch_bounds__(HC_NORM_THREADS) hc_split_norm(
         }
         ss = fmaf(c[k].x, c[k].x, fmaf(c[k].y, c[k].y, fmaf(c[k].z, c[k].z, fmaf(c[k].w, c[k].w, ss))));
     }
-    ss = butterfly_sum<1, 32>(ss);
-    if (lane == 0) partial[warp] = ss;
-    __syncthreads();
-    if (warp == 0) {
-        ss = butterfly_sum<1, 32>(lane < warps ? partial[lane] : 0.f);
-        if (lane == 0) partial[0] = ss;
-    }
-    __syncthreads();
-    const float root = sqrtf(partial[0] / (float)D + norm_eps);
+    const float root = sqrtf(block_sum(ss, partial) / (float)D + norm_eps);
     float4* o = reinterpret_cast<float4*>(out + (size_t)t * D);
 #pragma unroll
     for (int k = 0; k < HC_QUADS; ++k) {
@@ -372,7 +364,7 @@ extern "C" __global__ void __launch_bounds__(HC_NORM_THREADS) hc_expand_rows(
     constexpr int N = HC_NORM_STREAMS;
     __shared__ float partial[32];
     const size_t t = blockIdx.x;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5, D4 = D / 4;
+    const int D4 = D / 4;
     const float4* s = reinterpret_cast<const float4*>(S + t * N * D);
     const float4* ya = reinterpret_cast<const float4*>(y + t * D);
     const float4* yb = reinterpret_cast<const float4*>(y2 ? y2 + t * D : y);
@@ -417,11 +409,6 @@ extern "C" __global__ void __launch_bounds__(HC_NORM_THREADS) hc_expand_rows(
             }
         }
     }
-    ss = butterfly_sum<1, 32>(ss);
-    if (lane == 0) partial[warp] = ss;
-    __syncthreads();
-    if (warp == 0) {
-        ss = butterfly_sum<1, 32>(lane < warps ? partial[lane] : 0.f);
-        if (lane == 0) squares[t * ld] = ss;
-    }
+    ss = block_sum(ss, partial);
+    if (threadIdx.x == 0) squares[t * ld] = ss;
 }

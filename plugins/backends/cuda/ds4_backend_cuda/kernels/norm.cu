@@ -1,22 +1,6 @@
 // RMSNorm and interleaved RoPE as one launch each. As CuPy array code they cost about 5 and 12 launches per call,
 // and a decode step calls them a few dozen times, so in a recorded graph their launch gaps outweighed the work.
 
-// v summed over the block (blockDim.x a multiple of 32, at most 1024), warps' sums in warp order, the total returned
-// to every thread; partial: 32 floats of shared memory.
-__device__ __forceinline__ float block_sum(float v, float* partial) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    if (lane == 0) partial[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        v = lane < warps ? partial[lane] : 0.f;
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        if (lane == 0) partial[0] = v;
-    }
-    __syncthreads();
-    return partial[0];
-}
-
 // y[r] = x[r] / sqrt(mean(x[r]^2) + eps) [· w] for rows of width d; one block per row (blockDim.x a multiple of 32,
 // at most 1024); w may be null. A thread's first HELD elements and their weights are loaded at once and kept in
 // registers for the second pass (a strided loop would wait for each load in turn, and weights loaded after the sum

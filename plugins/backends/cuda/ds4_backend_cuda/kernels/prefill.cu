@@ -33,33 +33,6 @@ __device__ __forceinline__ uint4 decode16(const u8* b, int part) {
     return pack8<O>(v);
 }
 
-// IQ2_XXS's part k of a group as fp16, the bits of decode + pack8<Half> in about half the instructions (this decode
-// bound the prefill's routed gate and up): a magnitude times the scale is one fma of its 2^23-offset float, exact
-// as the grid's 6 bits times the scale's 16 fit a float; the signs flip the fp16 sign bits after rounding, which
-// commutes with negation.
-__device__ __forceinline__ uint4 iq2xxs_half8(const IQ2_XXS::Head& h, int k) {
-    const u32 sg = IQ2_XXS::signs(h, k);
-    const uint2 mags = IQ2_XXS::magnitudes(h, k);
-    const float off = -8388608.0f * h.scale;
-    const u32 spread[2] = {(sg & 0xFu) * 0x10204080u, (sg >> 4) * 0x10204080u};  // bit 8i + 7: element i's sign
-    u32 out[4];
-#pragma unroll
-    for (int p = 0; p < 4; p++) {
-        const u32 w = p < 2 ? mags.x : mags.y, sel = p % 2 ? 0xB4A4u : 0x9484u;
-        u32 mask;  // prmt's sign mode: byte 1 (3) all ones when element 2p (2p + 1) is negative
-        asm("prmt.b32 %0, %1, 0, %2;" : "=r"(mask) : "r"(spread[p / 2]), "r"(sel));
-        const float lo = fmaf(byte_plus_2p23(w, 2 * (p % 2)), h.scale, off);
-        const float hi = fmaf(byte_plus_2p23(w, 2 * (p % 2) + 1), h.scale, off);
-        out[p] = Half::from2(lo, hi) ^ (mask & 0x80008000u);
-    }
-    return make_uint4(out[0], out[1], out[2], out[3]);
-}
-
-template <>
-__device__ __forceinline__ uint4 decode16<IQ2_XXS, Half>(const u8* b, int part) {
-    return iq2xxs_half8(IQ2_XXS::head(b, part / 4), part % 4);
-}
-
 // Columns c .. c + 31 (c a multiple of 32) of the row whose blocks start at base, as O bits at out: four
 // decode16s; for IQ2_XXS to fp16, whose 32 columns are one group, the group's head is read once.
 template <class Q, class O>
@@ -74,29 +47,45 @@ struct Decode32 {
 // reads 2 bytes of a 512-byte table (the 8-byte rows of iq2xxs_grid spread a warp's lookups over 16 cache lines).
 __device__ u16 iq2xxs_codes[256];
 
-// IQ2_XXS to fp16: the group's three magnitudes times its scale are rounded once, and each pair of weights is picked
-// from them by one prmt whose selector the pair's two codes make (as Q2_K's decode); signs flip the fp16 sign bits
-// after rounding, which commutes with negation. The bits of decode + pack8<Half>.
+// IQ2_XXS to fp16 (the routed experts' prefill is bound by this decode): the group's three magnitudes times its scale
+// are rounded once, and each pair of weights is picked from them by one prmt whose selector the pair's two codes make
+// (as Q2_K's decode); signs flip the fp16 sign bits after rounding, which commutes with negation. The bits of decode +
+// pack8<Half>. IQ2Half holds a group's magnitudes; part k gives its elements 8k .. 8k + 7.
+struct IQ2Half {
+    IQ2_XXS::Head h;
+    u32 lo, hi;  // fp16 of 8, 25 (lo) and 43 (hi) times the scale
+
+    __device__ __forceinline__ explicit IQ2Half(const IQ2_XXS::Head& head)
+        : h(head), lo(Half::from2(8.f * head.scale, 25.f * head.scale)), hi(Half::from(43.f * head.scale)) {}
+
+    __device__ __forceinline__ uint4 part(int k) const {
+        const u32 sg = IQ2_XXS::signs(h, k);
+        const u32 spread[2] = {(sg & 0xFu) * 0x10204080u, (sg >> 4) * 0x10204080u};  // bit 8i + 7: element i's sign
+        const u32 codes = iq2xxs_codes[(h.grid >> (8 * k)) & 255];
+        u32 o[4];
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            u32 mask;  // prmt's sign mode: byte 1 (3) all ones when element 2q (2q + 1) is negative
+            asm("prmt.b32 %0, %1, 0, %2;" : "=r"(mask) : "r"(spread[q / 2]), "r"(q % 2 ? 0xB4A4u : 0x9484u));
+            const u32 x = (codes >> (4 * q)) & 0xFu;  // the pair's codes a | b << 2 -> a | b << 8
+            o[q] = __byte_perm(lo, hi, (x + (x & 0xCu) * 63u) * 0x22u + 0x1010u) ^ (mask & 0x80008000u);
+        }
+        return make_uint4(o[0], o[1], o[2], o[3]);
+    }
+};
+
+template <>
+__device__ __forceinline__ uint4 decode16<IQ2_XXS, Half>(const u8* b, int part) {
+    return IQ2Half(IQ2_XXS::head(b, part / 4)).part(part % 4);
+}
+
+// For 32 columns, one group: its head and magnitudes are read once.
 template <>
 struct Decode32<IQ2_XXS, Half> {
     static __device__ __forceinline__ void run(const u8* base, int c, uint4* out) {
-        const IQ2_XXS::Head h = IQ2_XXS::head(base + c / IQ2_XXS::QK * IQ2_XXS::BYTES, c % IQ2_XXS::QK / 32);
-        const u32 lo = Half::from2(8.f * h.scale, 25.f * h.scale), hi = Half::from(43.f * h.scale);
+        const IQ2Half g(IQ2_XXS::head(base + c / IQ2_XXS::QK * IQ2_XXS::BYTES, c % IQ2_XXS::QK / 32));
 #pragma unroll
-        for (int k = 0; k < 4; k++) {
-            const u32 sg = IQ2_XXS::signs(h, k);
-            const u32 spread[2] = {(sg & 0xFu) * 0x10204080u, (sg >> 4) * 0x10204080u};  // bit 8i + 7: element i's sign
-            const u32 codes = iq2xxs_codes[(h.grid >> (8 * k)) & 255];
-            u32 o[4];
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                u32 mask;  // prmt's sign mode: byte 1 (3) all ones when element 2q (2q + 1) is negative
-                asm("prmt.b32 %0, %1, 0, %2;" : "=r"(mask) : "r"(spread[q / 2]), "r"(q % 2 ? 0xB4A4u : 0x9484u));
-                const u32 x = (codes >> (4 * q)) & 0xFu;  // the pair's codes a | b << 2 -> a | b << 8
-                o[q] = __byte_perm(lo, hi, (x + (x & 0xCu) * 63u) * 0x22u + 0x1010u) ^ (mask & 0x80008000u);
-            }
-            out[k] = make_uint4(o[0], o[1], o[2], o[3]);
-        }
+        for (int k = 0; k < 4; k++) out[k] = g.part(k);
     }
 };
 
