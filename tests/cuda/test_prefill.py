@@ -180,11 +180,16 @@ def _moe_emulated(x, g, u, d, idx, weights, limit, gu_half, down_half, dtype=np.
                                                          ("MXFP4", "MXFP4", "Q8_0"), ("F16", "F16", "BF16"),
                                                          ("Q8_0", "MXFP4", "Q6_K")])
 @pytest.mark.parametrize("small_budgets,T", [(False, 40), (True, 40), (False, 200)])
-def test_prefill_moe_matches_the_oracle(cuda_backend, gate_type, up_type, down_type, small_budgets, T, rng,
+@pytest.mark.parametrize("tiles", ["mma", "wgmma"])
+def test_prefill_moe_matches_the_oracle(cuda_backend, gate_type, up_type, down_type, small_budgets, T, tiles, rng,
                                         monkeypatch):
-    """T = 200 gives experts 0 and 1 more than one 64-token tile of the fused kernel."""
+    """T = 200 gives experts 0 and 1 more than one 64-token tile of the fused kernel; ``tiles`` picks its tile
+    kernel (``moe_mma16``, or ``moe_wgmma16`` on compute capability 9.0)."""
     from ds4_backend_cuda import prefill
 
+    monkeypatch.setenv(prefill.WGMMA_ENV, "1" if tiles == "wgmma" else "0")
+    if tiles == "wgmma" and not prefill.wgmma():
+        pytest.skip("moe_wgmma16 runs on compute capability 9.0 only")
     E, inter, D, k, limit = 8, 256, 512, 3, 0.8
     if small_budgets:  # several token passes and expert groups of one or two experts
         monkeypatch.setattr(prefill, "MOE_TOKENS_PER_PASS", 16)

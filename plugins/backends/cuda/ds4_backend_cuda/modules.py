@@ -11,8 +11,12 @@ its on-disk kernel cache by source text and options, so an unchanged source comp
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -41,6 +45,65 @@ def program(*names: str) -> str:
     """The sources ``names`` of one module, after ``pdl.cuh`` (``grid_wait``, which their kernels call) and
     ``reduce.cuh`` (``block_sum``)."""
     return "\n".join(source(name) for name in ("pdl.cuh", "reduce.cuh", *names))
+
+
+#: Options of the sm_90a modules (Hopper's architecture-specific instructions, such as ``wgmma``).
+_SM90A_OPTIONS = ("--std=c++17", "--gpu-architecture=sm_90a", "-ftz=true", "--device-as-default-execution-space")
+
+
+class CompiledModule:
+    """A module compiled by :func:`sm90a_module`: ``get_function`` and ``get_global`` by source-level name, as on a
+    ``cupy.RawModule``."""
+
+    def __init__(self, module: Any, lowered: dict[str, str]):
+        self.module, self.lowered = module, lowered
+
+    def get_function(self, name: str) -> Any:
+        return self.module.get_function(self.lowered.get(name, name))
+
+    def get_global(self, name: str) -> Any:
+        import cupy
+
+        return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(self.module.get_global_var(name), 0, self.module), 0)
+
+
+def sm90a_module(code: str, names: list[str]) -> CompiledModule:
+    """``code`` compiled by NVRTC for sm_90a with the kernels ``names``, cached on disk beside CuPy's kernels.
+
+    CuPy's own compilation names the device's architecture (sm_90), whose code may not contain ``wgmma``; the cubin
+    is keyed by the source, the options, the names and NVRTC's version."""
+    import cupy
+    from cupy._core.core import assemble_cupy_compiler_options
+    from cupy.cuda import nvrtc
+
+    options = assemble_cupy_compiler_options(_SM90A_OPTIONS)  # CuPy's include paths (cuda_fp16.h), as RawModule's
+    key = hashlib.sha256("\0".join((code, *options, *names, str(nvrtc.getVersion()))).encode()).hexdigest()
+    cache = Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
+    cubin_path, names_path = cache / f"ds4_sm90a_{key}.cubin", cache / f"ds4_sm90a_{key}.json"
+    if cubin_path.exists() and names_path.exists():
+        cubin, lowered = cubin_path.read_bytes(), json.loads(names_path.read_text())
+    else:
+        program = nvrtc.createProgram(code, "ds4_sm90a.cu", [], [])
+        try:
+            for name in names:
+                nvrtc.addNameExpression(program, name)
+            try:
+                nvrtc.compileProgram(program, list(options))
+            except nvrtc.NVRTCError as error:
+                log = nvrtc.getProgramLog(program).strip()
+                raise RuntimeError(f"NVRTC could not build sm_90a code: {log}") from error
+            cubin = nvrtc.getCUBIN(program)
+            lowered = {name: nvrtc.getLoweredName(program, name) for name in names}
+        finally:
+            nvrtc.destroyProgram(program)
+        cache.mkdir(parents=True, exist_ok=True)
+        for path, data in ((cubin_path, cubin), (names_path, json.dumps(lowered).encode())):
+            partial = path.with_suffix(f".{os.getpid()}.part")
+            partial.write_bytes(data)
+            partial.replace(path)  # atomic: a concurrent process reads a whole file or none
+    module = cupy.cuda.Module()
+    module.load(cubin)
+    return CompiledModule(module, lowered)
 
 
 def _kernels(qtype: str) -> dict[str, str]:

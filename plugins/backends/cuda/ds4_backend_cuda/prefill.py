@@ -7,10 +7,12 @@ integers times an f16 scale, bf16 (8 bits, float32's range) where it is exact: B
 a power of two, whose exponents can leave fp16's range). F32 matrices stay float32 (sgemm, read in place).
 
 Routed experts (:func:`prefill_moe`): the (token, slot) pairs are sorted by expert on the device. When gate and up
-share a format, the tiles are listed on the device too (``moe_tiles``), and one kernel per matrix kind
-(``moe_mma16``) takes a tile of up to 64 of an expert's tokens, dequantizes 64 rows of the expert's matrix into
-shared memory a slice at a time and multiplies them on tensor cores: the quantized weights are read once per token
-tile and no 16-bit copy is written. Gate and up go together with SwiGLU applied on the way out; the down kernel
+share a format, the tiles are listed on the device too (``moe_tiles``), and one kernel per matrix kind takes a tile
+of up to 64 of an expert's tokens, dequantizes 64 rows of the expert's matrix into shared memory a slice at a time
+and multiplies them on tensor cores: the quantized weights are read once per token tile and no 16-bit copy is
+written. On compute capability 9.0 that kernel is ``moe_wgmma16`` (``kernels/moe_wgmma.cu``, Hopper's warpgroup MMA,
+built for sm_90a by :func:`.modules.sm90a_module`; ``DS4_CUDA_WGMMA=0`` turns it off), elsewhere ``moe_mma16``
+(``mma.sync``); both give the same bits. Gate and up go together with SwiGLU applied on the way out; the down kernel
 writes each pair's row times its routing weight; rows are summed per token in a fixed order. Otherwise (gate and up
 in different formats) the per-expert counts are read to the host once, and experts, largest first, go in groups
 that fit a scratch budget, each group dequantized to 16 bits once and multiplied with all its tokens by one
@@ -20,6 +22,7 @@ strided-batched cuBLAS GEMM.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import cupy as cp
@@ -29,7 +32,7 @@ from cupy_backends.cuda.libs import cublas
 from ds4_core.backend import Weight
 from ds4_core.errors import BackendError
 
-from .modules import program
+from .modules import program, sm90a_module
 
 F32 = cp.float32
 #: Weight format -> the 16-bit type its tiles are dequantized to (others: "f16").
@@ -55,6 +58,8 @@ _MMA_TILE = 64  # rows and tokens of a moe_mma16 tile, and its column step (MMA_
 _TILE_ALIGN = 128  # tile rows rounded down to a multiple of this (cuBLAS tile shapes)
 
 _AMAX_BLOCKS = 1024  # blocks of amax_abs: enough to stream a chunk's activations at full bandwidth
+#: Environment switch: the routed experts' tiles on Hopper's warpgroup MMA (``moe_wgmma16``) unless it is "0".
+WGMMA_ENV = "DS4_CUDA_WGMMA"
 
 
 def _i32(v: int) -> np.int32:
@@ -79,14 +84,58 @@ def _module(qtype: str) -> Any:
     module = cp.RawModule(code=program("quant.cu", "prefill.cu"), options=("--std=c++17",),
                           name_expressions=names)
     if qtype == "IQ2_XXS":
-        from ds4_core.quants import iq2xxs_tables
-
-        grid, _ = iq2xxs_tables()
-        table = cp.ndarray((grid.size,), cp.uint8, module.get_global("iq2xxs_grid"))
-        table[...] = cp.asarray(grid.astype(np.uint8).reshape(-1))
-        codes = cp.ndarray((256,), cp.uint16, module.get_global("iq2xxs_codes"))
-        codes[...] = cp.asarray(_grid_codes(grid))
+        _fill_iq2xxs_tables(module)
     return module
+
+
+def _fill_iq2xxs_tables(module: Any) -> None:
+    from ds4_core.quants import iq2xxs_tables
+
+    grid, _ = iq2xxs_tables()
+    table = cp.ndarray((grid.size,), cp.uint8, module.get_global("iq2xxs_grid"))
+    table[...] = cp.asarray(grid.astype(np.uint8).reshape(-1))
+    codes = cp.ndarray((256,), cp.uint16, module.get_global("iq2xxs_codes"))
+    codes[...] = cp.asarray(_grid_codes(grid))
+
+
+@functools.cache
+def _wgmma_module(qtype: str) -> Any:
+    """quant.cu + prefill.cu + moe_wgmma.cu for sm_90a with ``moe_wgmma16`` of ``qtype``."""
+    names = [f"moe_wgmma16<{qtype}, {o}, {nw}>" for o in _OUT_TYPE.values() for nw in (1, 2)]
+    names += [f"moe_wgmma16_smem<{qtype}, {nw}>" for nw in (1, 2)]
+    try:
+        module = sm90a_module(program("quant.cu", "prefill.cu", "moe_wgmma.cu"), names)
+    except RuntimeError as error:
+        raise BackendError(f"{error}; {WGMMA_ENV}=0 runs the routed experts on the portable kernels") from error
+    if qtype == "IQ2_XXS":
+        _fill_iq2xxs_tables(module)
+    return module
+
+
+def wgmma() -> bool:
+    """Whether the routed experts' tiles run on ``moe_wgmma16``: a device of compute capability 9.0 (sm_90a code
+    runs on no other) and not ``DS4_CUDA_WGMMA=0``."""
+    return os.environ.get(WGMMA_ENV, "1").strip() != "0" and cp.cuda.Device().compute_capability == "90"
+
+
+@functools.cache
+def _wgmma_kernel(qtype: str, half: str, nw: int) -> Any:
+    """``moe_wgmma16`` for ``nw`` matrices of ``qtype`` with ``half`` tiles, launched with the dynamic shared memory
+    it declares (``moe_wgmma16_smem``, read once)."""
+    module = _wgmma_module(qtype)
+    smem = cp.zeros(1, dtype=cp.int32)
+    module.get_function(f"moe_wgmma16_smem<{qtype}, {nw}>")((1,), (1,), (smem,))
+    nbytes = int(smem.get()[0])
+    kernel = module.get_function(f"moe_wgmma16<{qtype}, {_OUT_TYPE[half]}, {nw}>")
+    cp.cuda.driver.funcSetAttribute(kernel.ptr, cp.cuda.driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
+    return functools.partial(kernel, shared_mem=nbytes)
+
+
+def _tile_kernel(qtype: str, half: str, nw: int) -> Any:
+    """The routed experts' tile kernel for ``nw`` matrices of ``qtype`` with ``half`` tiles."""
+    if wgmma():
+        return _wgmma_kernel(qtype, half, nw)
+    return _kernel(qtype, f"moe_mma16<{qtype}, {_OUT_TYPE[half]}, {nw}>")
 
 
 def _grid_codes(grid: np.ndarray) -> np.ndarray:
@@ -107,10 +156,10 @@ def _shared(name: str) -> Any:
 def warm(qtypes: tuple[str, ...]) -> None:
     """Compile (or load from CuPy's cache) the prefill kernels of ``qtypes`` now rather than at the first prompt."""
     for qtype in qtypes:
-        for o in _OUT_TYPE.values():
+        for half, o in _OUT_TYPE.items():
             _kernel(qtype, f"dequant16<{qtype}, {o}>")
             for nw in (1, 2):
-                _kernel(qtype, f"moe_mma16<{qtype}, {o}, {nw}>")
+                _tile_kernel(qtype, half, nw)
     for name in ("gather16", "scatter_pairs", "sum_pairs", "amax_abs", "moe_tiles",
                  *(f"{k}<{o}>" for k in ("to16", "swiglu16", "rows_to16") for o in _OUT_TYPE.values())):
         _shared(name)
@@ -420,7 +469,7 @@ def _moe_fused(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, pa
     x16, alpha_beta = to16(x, gu_half)
     h = cp.empty((rows, inter), dtype=F32)
     none = np.uint64(0)
-    _kernel(gate_exps.qtype, f"moe_mma16<{gate_exps.qtype}, {_OUT_TYPE[gu_half]}, 2>")(
+    _tile_kernel(gate_exps.qtype, gu_half, 2)(
         (inter // _MMA_TILE, max_tiles), (128,),
         (gate_exps.data, up_exps.data, _i64(inter * gate_exps.data.shape[-1]), _i64(gate_exps.data.shape[-1]),
          _i32(inter), _i32(D), tiles, x16, pairs, _i32(k), _i32(1), alpha_beta, F32(limit), none, none, h,
@@ -428,7 +477,7 @@ def _moe_fused(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, pa
     h16, hs = cp.empty((rows, inter), dtype=cp.uint16), cp.empty(rows, dtype=F32)
     _shared(f"rows_to16<{_OUT_TYPE[down_half]}>")((rows,), (_THREADS,), (h, _i32(inter), h16, hs))
     one = cp.ones(1, dtype=F32)
-    _kernel(down_exps.qtype, f"moe_mma16<{down_exps.qtype}, {_OUT_TYPE[down_half]}, 1>")(
+    _tile_kernel(down_exps.qtype, down_half, 1)(
         (D // _MMA_TILE, max_tiles), (128,),
         (down_exps.data, none, _i64(D * down_exps.data.shape[-1]), _i64(down_exps.data.shape[-1]), _i32(D),
          _i32(inter), tiles, h16, pairs, _i32(k), _i32(0), one, F32(0), hs, weights, ypairs, _i32(D)))

@@ -33,13 +33,15 @@ __device__ __forceinline__ uint4 decode16(const u8* b, int part) {
     return pack8<O>(v);
 }
 
-// Columns c .. c + 31 (c a multiple of 32) of the row whose blocks start at base, as O bits at out: four
-// decode16s; for IQ2_XXS to fp16, whose 32 columns are one group, the group's head is read once.
+// Columns c .. c + 31 (c a multiple of 32) of the row whose blocks start at base, as O bits: columns c + 8j .. + 7
+// at out[j ^ swz] (swz < 4: a swizzled tile's order of 16-byte chunks). Four decode16s; for IQ2_XXS to fp16, whose
+// 32 columns are one group, the group's head is read once.
 template <class Q, class O>
 struct Decode32 {
-    static __device__ __forceinline__ void run(const u8* base, int c, uint4* out) {
+    static __device__ __forceinline__ void run(const u8* base, int c, uint4* out, int swz) {
 #pragma unroll 1
-        for (int j = 0; j < 4; j++) out[j] = decode16<Q, O>(base + (c + 8 * j) / Q::QK * Q::BYTES, (c + 8 * j) % Q::QK / 8);
+        for (int j = 0; j < 4; j++)
+            out[j ^ swz] = decode16<Q, O>(base + (c + 8 * j) / Q::QK * Q::BYTES, (c + 8 * j) % Q::QK / 8);
     }
 };
 
@@ -82,10 +84,10 @@ __device__ __forceinline__ uint4 decode16<IQ2_XXS, Half>(const u8* b, int part) 
 // For 32 columns, one group: its head and magnitudes are read once.
 template <>
 struct Decode32<IQ2_XXS, Half> {
-    static __device__ __forceinline__ void run(const u8* base, int c, uint4* out) {
+    static __device__ __forceinline__ void run(const u8* base, int c, uint4* out, int swz) {
         const IQ2Half g(IQ2_XXS::head(base + c / IQ2_XXS::QK * IQ2_XXS::BYTES, c % IQ2_XXS::QK / 32));
 #pragma unroll
-        for (int k = 0; k < 4; k++) out[k] = g.part(k);
+        for (int k = 0; k < 4; k++) out[k ^ swz] = g.part(k);
     }
 };
 
@@ -95,7 +97,7 @@ struct Decode32<IQ2_XXS, Half> {
 // rounding every weight, the same bits.
 template <class O>
 struct Decode32<Q2_K, O> {
-    static __device__ __forceinline__ void run(const u8* base, int c, uint4* out) {
+    static __device__ __forceinline__ void run(const u8* base, int c, uint4* out, int swz) {
         const u8* b = base + c / Q2_K::QK * Q2_K::BYTES;
         const int e0 = c % Q2_K::QK, shift = 2 * (e0 % 128 / 32);
         const u8* q = b + 16 + 32 * (e0 / 128);
@@ -114,7 +116,7 @@ struct Decode32<Q2_K, O> {
                     pick[2 * h] = __byte_perm(lo, hi, codes * 0x22u + 0x1010u);
                     pick[2 * h + 1] = __byte_perm(lo, hi, (codes >> 16) * 0x22u + 0x1010u);
                 }
-                out[k] = make_uint4(pick[0], pick[1], pick[2], pick[3]);
+                out[k ^ swz] = make_uint4(pick[0], pick[1], pick[2], pick[3]);
             }
         }
     }
@@ -306,29 +308,107 @@ __device__ __forceinline__ void cp_async(void* dst, const void* src) {
 // Wait for this thread's cp.async copies (a __syncthreads after it makes every thread's copies visible).
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
-// Shared memory of moe_mma16<Q, *, NW>. The staging of raw blocks: a span is the columns whose blocks are copied
-// at once (one MMA_BK step, or a whole block when QK > MMA_BK: the next copy then comes QK / MMA_BK steps later),
-// WIN the bytes of a row's blocks in a span. Copies of CH bytes keep each byte's address modulo CH, at least the
-// alignment a block of BYTES bytes can rely on (blocks lie back to back), so Q::decode's wide loads stay aligned
-// in shared memory; a row's window starts up to CH - 1 bytes after a CH boundary, hence LD. Whole CH-byte chunks
-// never pass the end of a buffer whose end is CH-aligned (device allocations are). STAGED: the staging area fits
-// static shared memory's 48 KB beside the A tiles and two B tiles. BLOCKS: the blocks per SM the registers are
-// capped for (128 or 80 a thread), as many as shared memory admits on sm_90 when staged: other blocks' decodes
-// and MMAs fill this block's barriers (Q4_K spills a few bytes under the cap; without one ptxas
-// takes 150-255 registers and 2-3 blocks fit).
-template <class Q, int NW>
-struct MmaPlan {
+// The staging of raw weight blocks in the routed experts' tile kernels (moe_mma16, moe_wgmma16) for NW matrices of
+// format Q: a span is the columns whose blocks are copied at once (one MMA_BK step, or a whole block when QK > MMA_BK:
+// the next copy then comes QK / MMA_BK steps later), WIN the bytes of a row's blocks in a span. Copies of CH bytes
+// keep each byte's address modulo CH, at least the alignment a block of BYTES bytes can rely on (blocks lie back to
+// back), so Q::decode's wide loads stay aligned in shared memory; a row's window starts up to CH - 1 bytes after a CH
+// boundary, hence LD. Whole CH-byte chunks never pass the end of a buffer whose end is CH-aligned (device allocations
+// are).
+template <class Q, int NW, int CH_>
+struct StagePlan {
     static constexpr int SPAN = Q::QK > MMA_BK ? Q::QK : MMA_BK;
     static constexpr int WIN = SPAN / Q::QK * Q::BYTES;
+    static constexpr int CH = CH_;
+    static constexpr int LD = (WIN + 2 * CH - 2) / CH * CH, RAW = NW * MMA_BM * LD;
+};
+
+// Shared memory of moe_mma16<Q, *, NW>: NW A tiles and two B tiles of TILE 16-bit values, then the staging area,
+// copied in 16-byte chunks where it still fits beside them in static shared memory's 48 KB (mma_chunk); STAGED: it
+// fits at all. BLOCKS: the blocks per SM the registers are capped for (128 or 80 a thread), as many as shared memory
+// admits on sm_90 when staged: other blocks' decodes and MMAs fill this block's barriers (Q4_K spills a few bytes
+// under the cap; without one ptxas takes 150-255 registers and 2-3 blocks fit).
+template <class Q, int NW>
+constexpr int mma_chunk() {
+    return (NW + 2) * MMA_BM * MMA_LD * 2 + StagePlan<Q, NW, 16>::RAW <= 48 * 1024 || Q::BYTES % 16 == 0 ? 16
+           : Q::BYTES % 8 == 0                                                                           ? 8
+                                                                                                         : 4;
+}
+
+template <class Q, int NW>
+struct MmaPlan : StagePlan<Q, NW, mma_chunk<Q, NW>()> {
+    using Base = StagePlan<Q, NW, mma_chunk<Q, NW>()>;
     static constexpr int TILE = MMA_BM * MMA_LD;  // 16-bit values of an A or B tile
     static constexpr int OPS = (NW + 2) * TILE * 2, ACC = NW * MMA_BN * MMA_CLD * 4;
-    static constexpr bool WIDE = OPS + NW * MMA_BM * ((WIN + 30) / 16 * 16) <= 48 * 1024;  // 16-byte copies fit
-    static constexpr int CH = WIDE || Q::BYTES % 16 == 0 ? 16 : Q::BYTES % 8 == 0 ? 8 : 4;
-    static constexpr int LD = (WIN + 2 * CH - 2) / CH * CH, RAW = NW * MMA_BM * LD;
-    static constexpr bool STAGED = OPS + RAW <= 48 * 1024;
-    static constexpr int USED = OPS + (STAGED ? RAW : 0), SMEM = USED > ACC ? USED : ACC;
+    static constexpr bool STAGED = OPS + Base::RAW <= 48 * 1024;
+    static constexpr int USED = OPS + (STAGED ? Base::RAW : 0), SMEM = USED > ACC ? USED : ACC;
     static constexpr int BLOCKS = NW == 2 ? 4 : 6;
 };
+
+// One thread's rows of a tile kernel: it stages the raw windows of row drow of each of the NW matrices (two threads a
+// row, part 0 and 1, copy alternate chunks) into the staging area R and decodes that row's columns dc .. dc + 31 of
+// each step. arow[n]: the row's first block in matrix n (w0 or w1).
+template <class Q, int NW, class S>
+struct TileRows {
+    const u8* arow[NW];
+    int drow, part, dc;
+
+    __device__ __forceinline__ TileRows(const u8* w0, const u8* w1, long long row_offset, int drow_, int part_)
+        : drow(drow_), part(part_), dc(32 * part_) {
+        arow[0] = w0 + row_offset;
+        if constexpr (NW == 2) arow[1] = w1 + row_offset;
+    }
+
+    // Start the cp.async copies of span p's windows into R.
+    __device__ __forceinline__ void stage(u8* R, int p) const {
+        if constexpr (S::STAGED) {
+#pragma unroll
+            for (int n = 0; n < NW; n++) {
+                const u8* win = arow[n] + (long long)p * S::WIN;
+                int lead = (int)(reinterpret_cast<unsigned long long>(win) & (S::CH - 1));
+                const u8* from = win - lead;
+                u8* to = R + (n * MMA_BM + drow) * S::LD;
+#pragma unroll
+                for (int ch = part; ch < S::LD / S::CH; ch += 2)
+                    if (ch * S::CH < lead + S::WIN) cp_async<S::CH>(to + ch * S::CH, from + ch * S::CH);
+            }
+        }
+    }
+
+    // Step s's columns of matrix n as O bits (R: the staged windows of the step's span): columns dc + 8j .. + 7 at
+    // out[j ^ swz].
+    template <class O>
+    __device__ __forceinline__ void decode(const u8* R, int n, int s, uint4* out, int swz) const {
+        const int col = s * MMA_BK + dc;
+        if constexpr (S::STAGED) {
+            const u8* win = arow[n] + (long long)(col / S::SPAN) * S::WIN;
+            const u8* base = R + (n * MMA_BM + drow) * S::LD + (int)(reinterpret_cast<unsigned long long>(win) & (S::CH - 1));
+            Decode32<Q, O>::run(base, col % S::SPAN, out, swz);
+        } else {
+            Decode32<Q, O>::run(arow[n], col, out, swz);
+        }
+    }
+};
+
+// The tile kernels' epilogue (128 threads) from the accumulators in shared memory, C[n][token][row] (row stride MMA_CLD): NW = 2
+// stores h = swiglu(alpha * gate, alpha * up) as float32 at out[(first + m) * ldc + r]; NW = 1 writes
+// out[p * ldc + r] = alpha * hs[first + m] * weights[p] * acc, p = pairs[first + m].
+template <int NW>
+__device__ __forceinline__ void store_tile(const float* C, float a, int r0, int nrows, int first, int cnt,
+                                           const int* __restrict__ pairs, float limit, const float* __restrict__ hs,
+                                           const float* __restrict__ weights, float* __restrict__ out, int ldc) {
+    for (int id = threadIdx.x; id < MMA_BN * MMA_BM; id += 128) {
+        int m = id / MMA_BM, r = id % MMA_BM;
+        if (m >= cnt || r0 + r >= nrows) continue;
+        float v = a * C[m * MMA_CLD + r];
+        if constexpr (NW == 2) {
+            out[(long long)(first + m) * ldc + r0 + r] = swiglu1(v, a * C[(MMA_BN + m) * MMA_CLD + r], limit);
+        } else {
+            int p = pairs[first + m];
+            out[(long long)p * ldc + r0 + r] = v * hs[first + m] * weights[p];
+        }
+    }
+}
 
 // Four 8x8 16-bit matrices from shared memory; lane l gives the address of row l % 8 of matrix l / 8.
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const u16* row) {
@@ -357,14 +437,12 @@ __device__ __forceinline__ void mma16816<BHalf>(float (&d)[4], const u32 (&a)[4]
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// One expert, one token tile: NW = 2 multiplies the gate and up matrices (w0, w1) and stores
-// h = swiglu(alpha * gate, alpha * up) as float32 at out[(first + m) * ldc + r]; NW = 1 multiplies w0 and adds
-// nothing: it writes out[p * ldc + r] = alpha * hs[first + m] * weights[p] * acc, p = pairs[first + m].
-// tiles[3 * blockIdx.y ..] = (expert, first sorted pair, token count <= MMA_BN). Token m's activations are row
-// gather ? pairs[first + m] / k : first + m of x16 [*, ncols] (16-bit bits). ncols % MMA_BK == 0 and a block of
-// the format never straddles an MMA_BK step (QK a multiple or divisor of MMA_BK). Four warps, each 32 rows x 32
-// tokens of the tile. Thread tid copies column unit tid % 8 of tokens tid / 8 + 16i (i < 4) of the activations;
-// it stages the raw windows of row tid / 2 of each matrix (chunks tid % 2 + 2j) and decodes that row's columns
+// One expert, one token tile: NW = 2 multiplies the gate and up matrices (w0, w1), NW = 1 multiplies w0; the
+// results leave through store_tile. tiles[3 * blockIdx.y ..] = (expert, first sorted pair, token count <= MMA_BN).
+// Token m's activations are row gather ? pairs[first + m] / k : first + m of x16 [*, ncols] (16-bit bits).
+// ncols % MMA_BK == 0 and a block of the format never straddles an MMA_BK step (QK a multiple or divisor of MMA_BK).
+// Four warps, each 32 rows x 32 tokens of the tile. Thread tid copies column unit tid % 8 of tokens tid / 8 + 16i
+// (i < 4) of the activations; it stages the raw windows of row tid / 2 of each matrix and decodes that row's columns
 // 32 * (tid % 2) .. + 31 (Decode32: a format reads its scales once for them).
 // Step s: wait for its copies, barrier (they are visible, and the MMAs of s - 1 are done with A), decode into A,
 // barrier (A is complete, the staging area free), start the copies of s + 1, multiply step s.
@@ -377,7 +455,6 @@ __global__ void __launch_bounds__(128, (MmaPlan<Q, NW>::BLOCKS)) moe_mma16(
     static_assert(MMA_BM == 64 && MMA_BN == 64 && MMA_BK == 64, "the thread maps of the copies and the decode");
     using S = MmaPlan<Q, NW>;
     constexpr int TILE = S::TILE;
-    constexpr bool STAGED = S::STAGED;
     __shared__ __align__(16) u8 smem[S::SMEM];
     u16* A = reinterpret_cast<u16*>(smem);  // NW tiles [MMA_BM][MMA_LD], then two B tiles [MMA_BN][MMA_LD]
     u16* B = A + NW * TILE;                 // step s reads B + (s & 1) * TILE
@@ -390,13 +467,8 @@ __global__ void __launch_bounds__(128, (MmaPlan<Q, NW>::BLOCKS)) moe_mma16(
     constexpr int UNITS = MMA_BN * MMA_BK / 8 / 128;  // 8-value activation units a thread copies a step
     const int c = 8 * (tid % 8);
     const u16* bsrc[UNITS];
-    const int drow = tid / 2, dc = 32 * (tid % 2);  // this thread stages row drow and decodes its columns dc .. + 31
-    const u8* arow[NW];
-    {
-        const long long off = (long long)e * expert_bytes + (long long)min(r0 + drow, nrows - 1) * row_bytes;
-        arow[0] = w0 + off;
-        if constexpr (NW == 2) arow[1] = w1 + off;
-    }
+    const TileRows<Q, NW, S> rows(w0, w1, (long long)e * expert_bytes + (long long)min(r0 + tid / 2, nrows - 1) * row_bytes,
+                                  tid / 2, tid % 2);
 #pragma unroll
     for (int i = 0; i < UNITS; i++) {
         int row = tid / 8 + 16 * i;
@@ -413,20 +485,7 @@ __global__ void __launch_bounds__(128, (MmaPlan<Q, NW>::BLOCKS)) moe_mma16(
             if (bsrc[i]) cp_async<16>(dst, bsrc[i] + s * MMA_BK);
             else *dst = make_uint4(0, 0, 0, 0);
         }
-        if constexpr (STAGED) {
-            constexpr int SPAN_STEPS = S::SPAN / MMA_BK;
-            if (s % SPAN_STEPS) return;
-#pragma unroll
-            for (int n = 0; n < NW; n++) {
-                const u8* win = arow[n] + (long long)(s / SPAN_STEPS) * S::WIN;
-                int lead = (int)(reinterpret_cast<unsigned long long>(win) & (S::CH - 1));
-                const u8* from = win - lead;
-                u8* to = R + (n * MMA_BM + drow) * S::LD;
-#pragma unroll
-                for (int ch = tid % 2; ch < S::LD / S::CH; ch += 2)
-                    if (ch * S::CH < lead + S::WIN) cp_async<S::CH>(to + ch * S::CH, from + ch * S::CH);
-            }
-        }
+        if (s % (S::SPAN / MMA_BK) == 0) rows.stage(R, s / (S::SPAN / MMA_BK));
     };
     float acc[NW][2][4][4] = {};
     // ldmatrix rows of this lane: A (16x16 at rows wr + 16i) and B (two 8-token tiles at wc + 16j).
@@ -437,21 +496,9 @@ __global__ void __launch_bounds__(128, (MmaPlan<Q, NW>::BLOCKS)) moe_mma16(
     for (int s = 0; s < steps; s++) {
         cp_async_wait_all();
         __syncthreads();
-        const int col = s * MMA_BK + dc;
 #pragma unroll
-        for (int n = 0; n < NW; n++) {
-            const u8* base;
-            int bc;  // col relative to base
-            if constexpr (STAGED) {
-                const u8* win = arow[n] + (long long)(col / S::SPAN) * S::WIN;
-                base = R + (n * MMA_BM + drow) * S::LD + (int)(reinterpret_cast<unsigned long long>(win) & (S::CH - 1));
-                bc = col % S::SPAN;
-            } else {
-                base = arow[n];
-                bc = col;
-            }
-            Decode32<Q, O>::run(base, bc, reinterpret_cast<uint4*>(A + (n * MMA_BM + drow) * MMA_LD + dc));
-        }
+        for (int n = 0; n < NW; n++)
+            rows.template decode<O>(R, n, s, reinterpret_cast<uint4*>(A + (n * MMA_BM + rows.drow) * MMA_LD + rows.dc), 0);
         __syncthreads();
         if (s + 1 < steps) start_copies(s + 1);
         const u16* Bs = B + (s & 1) * TILE;
@@ -485,18 +532,7 @@ __global__ void __launch_bounds__(128, (MmaPlan<Q, NW>::BLOCKS)) moe_mma16(
                     C[(n * MMA_BN + wc + 8 * j + 2 * t + (q & 1)) * MMA_CLD + wr + 16 * i + g + 8 * (q >> 1)] =
                         acc[n][i][j][q];
     __syncthreads();
-    float a = *alpha;
-    for (int id = tid; id < MMA_BN * MMA_BM; id += 128) {
-        int m = id / MMA_BM, r = id % MMA_BM;
-        if (m >= cnt || r0 + r >= nrows) continue;
-        float v = a * C[m * MMA_CLD + r];
-        if constexpr (NW == 2) {
-            out[(long long)(first + m) * ldc + r0 + r] = swiglu1(v, a * C[(MMA_BN + m) * MMA_CLD + r], limit);
-        } else {
-            int p = pairs[first + m];
-            out[(long long)p * ldc + r0 + r] = v * hs[first + m] * weights[p];
-        }
-    }
+    store_tile<NW>(C, *alpha, r0, nrows, first, cnt, pairs, limit, hs, weights, out, ldc);
 }
 
 // The first index i of sorted[0 .. n) with sorted[i] >= v (sorted ascending).
