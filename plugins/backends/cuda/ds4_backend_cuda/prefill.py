@@ -12,11 +12,11 @@ of up to 64 of an expert's tokens, dequantizes 64 rows of the expert's matrix in
 and multiplies them on tensor cores: the quantized weights are read once per token tile and no 16-bit copy is
 written. On compute capability 9.0 that kernel is ``moe_wgmma16`` (``kernels/moe_wgmma.cu``, Hopper's warpgroup MMA,
 built for sm_90a by :func:`.modules.sm90a_module`; ``DS4_CUDA_WGMMA=0`` turns it off), elsewhere ``moe_mma16``
-(``mma.sync``); both give the same bits. Gate and up go together with SwiGLU applied on the way out; the down kernel
-writes each pair's row times its routing weight; rows are summed per token in a fixed order. Otherwise (gate and up
-in different formats) the per-expert counts are read to the host once, and experts, largest first, go in groups
-that fit a scratch budget, each group dequantized to 16 bits once and multiplied with all its tokens by one
-strided-batched cuBLAS GEMM.
+(``mma.sync``); on Flash's shapes the two gave the same bits. Gate and up go together with SwiGLU applied on the
+way out; the down kernel writes each pair's row times its routing weight; rows are summed per token in a fixed
+order. Otherwise (gate and up in different formats) the per-expert counts are read to the host once, and experts,
+largest first, go in groups that fit a scratch budget, each group dequantized to 16 bits once and multiplied with
+all its tokens by one strided-batched cuBLAS GEMM.
 """
 
 from __future__ import annotations
