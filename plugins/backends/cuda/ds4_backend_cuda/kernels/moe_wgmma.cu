@@ -83,7 +83,7 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // moe_mma16's tile (same arguments, tiles and epilogue) on one warpgroup. Thread tid decodes row 16 * warp + lane %
 // 16, columns 32 * (lane / 16) .. + 31 of each step (the row's two threads, lanes of one warp, stage its windows) and
 // copies activation units u = tid + 128i: token u % 8 + 8 * (u / 64), columns 8 * (u / 8 % 8) .. + 7 (a quarter-warp
-// fills one core matrix, and a warp reads 64 contiguous bytes of each of 8 tokens).
+// writes one chunk of 8 tokens, free of bank conflicts, and a warp reads 64 contiguous bytes of each of 8 tokens).
 // Step s: at a span's first step, wait for its windows (copied a span earlier) and sync the warp; decode into A tile
 // s & 1 (its wgmmas, of step s - 2, are complete); fence to the async proxy; wait for the activations of s and for the
 // wgmmas of s - 1; barrier; issue the 4 x NW wgmmas (64 x 64 x 16) of s; start the copies of the activations of s + 1
