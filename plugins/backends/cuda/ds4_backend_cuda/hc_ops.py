@@ -93,31 +93,39 @@ def _split_norm_fits(T: int, n: int, D: int) -> bool:
 
 def _split_norm(S: Any, slices: int, part: Any, scale: Weight, base: Weight, iters: int, eps: float,
                 norm_eps: float, norm: Weight) -> tuple[Any, Any, Any]:
-    """(normalised collapse ``[T, D]``, post, comb) of the streams ``S`` from their mix's column slices ``part``."""
+    """(normalised collapse ``[T, D]``, post, comb) of the streams ``S`` from their mix's column slices ``part`` (a
+    token's ``[M + 1, slices]`` contiguous, tokens ``part.strides[0]`` bytes apart)."""
     T, n, D = S.shape
     pre, post, comb, out = cp.empty((T, n), F32), cp.empty((T, n), F32), cp.empty((T, n, n), F32), cp.empty((T, D), F32)
     glue_kernel("hc_split_norm")((T, 2), (HC_NORM_THREADS,), (
-        part, np.int32(slices), np.int32(n * D), F32(norm_eps), cp.ascontiguousarray(values(scale), dtype=F32),
-        cp.ascontiguousarray(values(base), dtype=F32), np.int32(iters), F32(eps), pre, post, comb, S,
-        np.int32(D), cp.ascontiguousarray(values(norm), dtype=F32), out))
+        part, np.int32(part.strides[0] // 4), np.int32(slices), np.int32(n * D), F32(norm_eps),
+        cp.ascontiguousarray(values(scale), dtype=F32), cp.ascontiguousarray(values(base), dtype=F32), np.int32(iters),
+        F32(eps), pre, post, comb, S, np.int32(D), cp.ascontiguousarray(values(norm), dtype=F32), out))
     return out, post, comb
 
 
+def _rows_part(T: int, M: int) -> Any:
+    """A prefill's ``part`` for :func:`_mix_rows`: ``T`` rows of the mix's ``M`` columns and the sum of squares,
+    padded to a multiple of 4 floats (16-byte rows keep cuBLAS off its slower unaligned kernels)."""
+    return cp.empty((T, -(-(M + 1) // 4) * 4), F32)
+
+
 def _mix_rows(S: Any, fn: Weight, part: Any = None) -> Any:
-    """part ``[T, M + 1]``: a prefill's mix of the contiguous streams ``S [T, n, D]`` with ``fn``, before the norm
-    (one GEMM reading ``S`` in place; TF32 on the tensor-core prefill path), and each token's sum of squares, which
-    ``hc_split_norm`` turns into the norm's scale (given ``part``, its last column already holds them): the streams
-    are read, never written."""
+    """part (:func:`_rows_part`): a prefill's mix of the contiguous streams ``S [T, n, D]`` with ``fn``, before the
+    norm (one GEMM reading ``S`` in place; TF32 on the tensor-core prefill path), and each token's sum of squares in
+    column ``M``, which ``hc_split_norm`` turns into the norm's scale (given ``part``, that column already holds
+    them): the streams are read, never written."""
     T, n, D = S.shape
     K, M = n * D, (2 + n) * n
     squared = part is not None
     if not squared:
-        part = cp.empty((T, M + 1), F32)
+        part = _rows_part(T, M)
+    ld = part.shape[1]
     fn32 = cp.ascontiguousarray(values(fn), dtype=F32)
-    gemm_rows(S.data.ptr, K, fn32.data.ptr, K, part.data.ptr, M + 1, T, M, K, transpose_b=True,
+    gemm_rows(S.data.ptr, K, fn32.data.ptr, K, part.data.ptr, ld, T, M, K, transpose_b=True,
               tf32=tensor_core_prefill())
     if not squared:
-        glue_kernel("row_squares")((T,), (256,), (S, np.int32(K), part[:, M:], np.int32(M + 1)))
+        glue_kernel("row_squares")((T,), (256,), (S, np.int32(K), part[:, M:], np.int32(ld)))
     return part
 
 
@@ -153,11 +161,11 @@ def hc_post_pre_norm(S: Any, ys: tuple[Any, ...], post: Any, comb: Any, fn: Weig
     T, n, D = S.shape
     if len(ys) <= 2 and _prefill_norm_fits(T, n, D):  # the expansion also sums the outputs and squares the streams
         S, M = cp.ascontiguousarray(S, dtype=F32), (2 + n) * n
-        out, part = cp.empty_like(S), cp.empty((T, M + 1), F32)
+        out, part = cp.empty_like(S), _rows_part(T, M)
         y2 = cp.ascontiguousarray(ys[1], dtype=F32) if len(ys) == 2 else np.uint64(0)
         glue_kernel("hc_expand_rows")((T,), (HC_NORM_THREADS,), (
             S, cp.ascontiguousarray(ys[0], dtype=F32), y2, cp.ascontiguousarray(post, dtype=F32),
-            cp.ascontiguousarray(comb, dtype=F32), np.int32(D), out, part[:, M:], np.int32(M + 1)))
+            cp.ascontiguousarray(comb, dtype=F32), np.int32(D), out, part[:, M:], np.int32(part.shape[1])))
         return (out, *_split_norm(out, 1, _mix_rows(out, fn, part), scale, base, iters, eps, norm_eps, norm))
     if not _split_norm_fits(T, n, D) or len(ys) > 2:
         S = hc_post(S, functools.reduce(operator.add, ys), post, comb)

@@ -249,12 +249,13 @@ extern "C" __global__ void hc_split(float* __restrict__ mix, const float* __rest
 // Sinkhorn iterations in one lane (hc_split4_lane; pre, post and comb into global memory): only the sub-layer's end
 // needs them, so its 20 dependent iterations run beside the collapse instead of after it. Three launches of a decode
 // step's hyper-connection became one. HC_NORM_THREADS threads (the registers of the Sinkhorn and the slice sums), D a
-// multiple of 4 up to 4 · HC_QUADS · HC_NORM_THREADS; n = HC_NORM_STREAMS, the models' 4.
+// multiple of 4 up to 4 · HC_QUADS · HC_NORM_THREADS; n = HC_NORM_STREAMS, the models' 4. part's tokens are ld floats
+// apart.
 #define HC_QUADS 4
 #define HC_NORM_THREADS 256
 #define HC_NORM_STREAMS 4  // hc_split4_lane's
 extern "C" __global__ void __launch_bounds__(HC_NORM_THREADS) hc_split_norm(
-        const float* __restrict__ part, int slices, int K, float norm_eps,
+        const float* __restrict__ part, int ld, int slices, int K, float norm_eps,
         const float* __restrict__ scale, const float* __restrict__ base, int iters, float eps, float* __restrict__ pre,
         float* __restrict__ post, float* __restrict__ comb, const float* __restrict__ S, int D,
         const float* __restrict__ w, float* __restrict__ out) {
@@ -262,7 +263,7 @@ extern "C" __global__ void __launch_bounds__(HC_NORM_THREADS) hc_split_norm(
     constexpr int N = HC_NORM_STREAMS, M = (2 + N) * N;
     __shared__ float weight[N], partial[32], row[M];
     const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const float* p = part + (size_t)t * (M + 1) * slices;
+    const float* p = part + (size_t)t * ld;  // token t's [M + 1, slices]
     if (blockIdx.y == 1) {
         if (warp == 0) {
             hc_mix_row(row, p, M, slices, K, norm_eps);
