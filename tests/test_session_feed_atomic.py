@@ -150,7 +150,7 @@ def interrupt_at(deepseek, monkeypatch):
             return call
 
         # the fused ops the graph calls (numpy has them): a prefill's attention, and a step's or chosen rows'
-        for name in ("window_attention", "norm_rope_attention"):
+        for name in ("norm_rope_window_attention", "norm_rope_attention"):
             monkeypatch.setitem(deepseek.ops._kernels, name, counted(deepseek.ops._kernels[name]))
 
     return arm

@@ -52,9 +52,10 @@ def _round16(a: np.ndarray, half: str) -> np.ndarray:
     return bits.view(np.float32).astype(np.float64)
 
 
-def _scaled16(a: np.ndarray, half: str) -> np.ndarray:
-    """``a`` as the kernels hold it: times the power of two putting max|a| in [2^13, 2^14), rounded, scaled back."""
-    _, e = np.frexp(np.float32(np.abs(a).max()))
+def _scaled16(a: np.ndarray, half: str, bound: float | None = None) -> np.ndarray:
+    """``a`` as the kernels hold it: times the power of two putting max|a| (or ``bound``) in [2^13, 2^14), rounded,
+    scaled back."""
+    _, e = np.frexp(np.float32(np.abs(a).max() if bound is None else bound))
     s = 2.0 ** min(14 - int(e), 126)
     return _round16(np.asarray(a, dtype=np.float32) * np.float32(s), half) / s
 
@@ -162,8 +163,9 @@ def _silu(v: np.ndarray) -> np.ndarray:
         return v / (1.0 + np.exp(-v))
 
 
-def _moe_emulated(x, g, u, d, idx, weights, limit, gu_half, down_half, dtype=np.float64) -> np.ndarray:
-    """The MoE with the kernels' 16-bit roundings, computed in ``dtype``."""
+def _moe_emulated(x, g, u, d, idx, weights, limit, gu_half, down_half, h_bound, dtype=np.float64) -> np.ndarray:
+    """The MoE with the kernels' 16-bit roundings, computed in ``dtype``; ``h_bound``: the bound of SwiGLU's output
+    whose scale h takes (None: each row's own maximum)."""
     x16 = _scaled16(x, gu_half).astype(dtype)
     out = np.zeros(x.shape, dtype=dtype)
     for t, j in zip(*np.nonzero(idx >= 0), strict=True):
@@ -171,7 +173,7 @@ def _moe_emulated(x, g, u, d, idx, weights, limit, gu_half, down_half, dtype=np.
         gc, uc = wg @ x16[t], wu @ x16[t]
         if limit > 0:
             gc, uc = np.minimum(gc, limit), np.clip(uc, -limit, limit)
-        h16 = _scaled16((_silu(gc) * uc).astype(np.float32), down_half).astype(dtype)
+        h16 = _scaled16((_silu(gc) * uc).astype(np.float32), down_half, h_bound).astype(dtype)
         out[t] += dtype(weights[t, j]) * (_round16(d[idx[t, j]], down_half).astype(dtype) @ h16)
     return out
 
@@ -181,16 +183,18 @@ def _moe_emulated(x, g, u, d, idx, weights, limit, gu_half, down_half, dtype=np.
                                                          ("Q8_0", "MXFP4", "Q6_K")])
 @pytest.mark.parametrize("small_budgets,T", [(False, 40), (True, 40), (False, 200)])
 @pytest.mark.parametrize("tiles", ["mma", "wgmma"])
-def test_prefill_moe_matches_the_oracle(cuda_backend, gate_type, up_type, down_type, small_budgets, T, tiles, rng,
-                                        monkeypatch):
+@pytest.mark.parametrize("limit", [0.8, 0.0])
+def test_prefill_moe_matches_the_oracle(cuda_backend, gate_type, up_type, down_type, small_budgets, T, tiles, limit,
+                                        rng, monkeypatch):
     """T = 200 gives experts 0 and 1 more than one 64-token tile of the fused kernel; ``tiles`` picks its tile
-    kernel (``moe_mma16``, or ``moe_wgmma16`` on compute capability 9.0)."""
+    kernel (``moe_mma16``, or ``moe_wgmma16`` on compute capability 9.0). With a SwiGLU limit the fused kernels
+    write h in 16 bits scaled by limit²'s power of two; without one, h is scaled row by row."""
     from ds4_backend_cuda import prefill
 
     monkeypatch.setenv(prefill.WGMMA_ENV, "1" if tiles == "wgmma" else "0")
     if tiles == "wgmma" and not prefill.wgmma():
         pytest.skip("moe_wgmma16 runs on compute capability 9.0 only")
-    E, inter, D, k, limit = 8, 256, 512, 3, 0.8
+    E, inter, D, k = 8, 256, 512, 3
     if small_budgets:  # several token passes and expert groups of one or two experts
         monkeypatch.setattr(prefill, "MOE_TOKENS_PER_PASS", 16)
         monkeypatch.setattr(prefill, "MOE_WEIGHT_SCRATCH", 2 * 6 * inter * D)
@@ -213,8 +217,10 @@ def test_prefill_moe_matches_the_oracle(cuda_backend, gate_type, up_type, down_t
     again = cuda_backend.to_numpy(prefill.prefill_moe(xp(x), g, u, d, xp(idx_dev), xp(weights), limit))
     np.testing.assert_array_equal(got, again)  # a fixed summation order
     gu_half = prefill.half_of(gate_type) if prefill.half_of(gate_type) == prefill.half_of(up_type) else "bf16"
-    emulated = _moe_emulated(x, g_ref.data, u_ref.data, d_ref.data, idx_dev, weights, limit, gu_half,
-                             prefill.half_of(down_type))
+    down_half = prefill.half_of(down_type)
+    direct = gate_type == up_type and gu_half == down_half and limit > 0  # the fused kernels' h in 16 bits
+    emulated = _moe_emulated(x, g_ref.data, u_ref.data, d_ref.data, idx_dev, weights, limit, gu_half, down_half,
+                             limit * limit if direct else None)
     assert np.linalg.norm(got - emulated) <= 0.25 * np.linalg.norm(want - emulated)
 
 

@@ -36,9 +36,9 @@ GEMV_MAX_TOKENS = 32
 MOE_PAIR_LIMIT = 64
 #: Elements dequantized per chunk on the float32 matmul path (bounds scratch memory to 256 MiB).
 DEQUANT_CHUNK = 1 << 26
-#: Prefill matmul precision: unset/"16" = fp16/bf16 tensor cores (prefill.py; attention products in TF32), 5x faster
-#: on a whole Flash model; "32" = float32 sgemm on exact weights. tests/cuda/test_default_paths.py bounds what the
-#: 16-bit path moves.
+#: Prefill matmul precision: unset/"16" = fp16/bf16 tensor cores (prefill.py; the window attention's products on fp16
+#: operands, the gathered attention's in TF32), 5x faster on a whole Flash model; "32" = float32 sgemm on exact
+#: weights. tests/cuda/test_default_paths.py bounds what the 16-bit path moves.
 PREFILL_ENV = "DS4_CUDA_PREFILL"
 #: Rows per warp and warps per block of the GEMV kernels (GEMV_ROWS, GEMV_WARPS in quant.cu).
 ROWS_PER_WARP = 4
@@ -356,12 +356,21 @@ def _norm_threads(d: int) -> int:
 _WARP_QUADS = 8
 
 
-def _norm_rows(x: Any, w: Weight | None, eps: float, y: Any, rope_args: tuple) -> None:
+def _warp_rows(x: Any) -> bool:
+    """Whether ``x [T, ..., d]`` takes ``rms_norm_warps``: a prefill's short rows."""
+    d = x.shape[-1]
+    return x.shape[0] > GEMV_MAX_TOKENS and d % 128 == 0 and d <= 128 * _WARP_QUADS
+
+
+def _norm_rows(x: Any, w: Weight | None, eps: float, y: Any, rope_args: tuple, y16: Any = None) -> None:
+    """RMSNorm (and with ``rope_args`` RoPE) of the rows of ``x`` into ``y``, or into ``y16`` (float16; only where
+    :func:`_warp_rows`)."""
     d, rows = x.shape[-1], x.size // x.shape[-1]
     scale = values_or_null(w)
-    if x.shape[0] > GEMV_MAX_TOKENS and d % 128 == 0 and d <= 128 * _WARP_QUADS:  # a prefill's short rows
-        glue_kernel("rms_norm_warps")((-(-rows // 8),), (256,), (x, scale, _i32(d), F32(eps), y, _i64(rows),
-                                                                 *rope_args))
+    if _warp_rows(x):
+        glue_kernel("rms_norm_warps")((-(-rows // 8),), (256,), (
+            x, scale, _i32(d), F32(eps), y if y16 is None else np.uint64(0), np.uint64(0) if y16 is None else y16,
+            _i64(rows), *rope_args))
         return
     glue_kernel("rms_norm_rows")((rows,), (_norm_threads(d),), (x, scale, _i32(d), F32(eps), y, *rope_args))
 
@@ -369,15 +378,26 @@ def _norm_rows(x: Any, w: Weight | None, eps: float, y: Any, rope_args: tuple) -
 def norm_rope(x: Any, w: Weight | None, eps: float, positions: Any, inv_freq: Any) -> Any:
     """:func:`rope` of :func:`rms_norm`, ``x [T, ..., d]``, in one launch where a block's threads hold a row
     (``d`` up to 8 · 1024)."""
+    return _norm_rope(x, w, eps, positions, inv_freq, F32)
+
+
+def _norm_rope(x: Any, w: Weight | None, eps: float, positions: Any, inv_freq: Any, dtype: Any) -> Any:
+    """:func:`norm_rope` as ``dtype``: float32, or float16 for 16-bit operands (in the launch for a prefill's
+    short rows, else by a cast)."""
     x = cp.ascontiguousarray(x, dtype=F32)
     d = x.shape[-1]
     pos = cp.ascontiguousarray(positions, dtype=cp.int32).reshape(-1)
     if not x.size or d > 8 * _norm_threads(d) or pos.size != x.shape[0]:
-        return rope(rms_norm(x, w, eps), positions, inv_freq)
+        return rope(rms_norm(x, w, eps), positions, inv_freq).astype(dtype, copy=False)
+    rope_args = (pos, cp.ascontiguousarray(inv_freq, dtype=F32), _i32(inv_freq.shape[0]),
+                 _i32(x.size // d // x.shape[0]))
+    if dtype != F32 and _warp_rows(x):
+        y16 = cp.empty(x.shape, dtype=cp.float16)
+        _norm_rows(x, w, eps, None, rope_args, y16)
+        return y16
     y = cp.empty_like(x)
-    _norm_rows(x, w, eps, y, (pos, cp.ascontiguousarray(inv_freq, dtype=F32), _i32(inv_freq.shape[0]),
-                              _i32(x.size // d // x.shape[0])))
-    return y
+    _norm_rows(x, w, eps, y, rope_args)
+    return y.astype(dtype, copy=False)
 
 
 def rope(x: Any, positions: Any, inv_freq: Any, inverse: bool = False) -> Any:
@@ -509,13 +529,17 @@ def sparse_attention(q: Any, kv: Any, idx: Any, sinks: Weight | None, scale: flo
     return out
 
 
-#: Query tokens of one batch entry of :func:`window_attention`'s products: its band is WINDOW_BLOCK + W - 1 rows
-#: (WINDOW_BLOCK in ``kernels/attention.cu``'s ``window_softmax``, which takes the block as an argument).
+#: Query tokens of one batch entry of :func:`norm_rope_window_attention`'s products: its band is WINDOW_BLOCK + W - 1
+#: rows (WINDOW_BLOCK in ``kernels/attention.cu``'s ``window_softmax``, which takes the block as an argument).
 _WINDOW_BLOCK = 64
+#: Operand rows of those products are padded to multiples of this many elements: 16-byte aligned rows of fp16
+#: keep cuBLAS on its vector kernels (odd strides took its align1 ones, twice as slow).
+_WINDOW_PAD = 8
 
 
 def _window_rows(T: int, first: int, window: int, comp_start: int, n_comp: int, limit: Any) -> Any:
-    """``[T, window (+ n_comp)]`` int32 row lists of :func:`window_attention`'s queries, for the row-list path."""
+    """``[T, window (+ n_comp)]`` int32 row lists of :func:`norm_rope_window_attention`'s queries, for the row-list
+    path."""
     band = first + cp.arange(T, dtype=cp.int32)[:, None] + cp.arange(window, dtype=cp.int32)[None, :]
     parts = [cp.where(band >= 0, band, -1)]
     if limit is not None:
@@ -524,61 +548,72 @@ def _window_rows(T: int, first: int, window: int, comp_start: int, n_comp: int, 
     return cp.ascontiguousarray(cp.concatenate(parts, axis=1), dtype=cp.int32)
 
 
-def window_attention(q: Any, kv: Any, first: int, window: int, comp_start: int, limit: Any,
-                     sinks: Weight | None, scale: float, positions: Any, inv_freq: Any) -> Any:
-    """Sparse attention of a chunk over its sliding window (query ``t``: rows ``first + t ..`` of ``kv``, ``window``
-    of them, none below 0) and, with ``limit [T]``, the rows ``comp_start + w`` for ``w < limit[t]``; its output is
-    rotated back by the inverse RoPE at ``positions`` in place, on the rotated channels alone (``rope_tail``: a
-    rotation into a new array read and wrote all of them).
+def _padded(n: int) -> int:
+    return -(-n // _WINDOW_PAD) * _WINDOW_PAD
+
+
+def norm_rope_window_attention(q: Any, eps: float, kv: Any, first: int, window: int, comp_start: int, limit: Any,
+                               sinks: Weight | None, scale: float, positions: Any, inv_freq: Any) -> Any:
+    """A chunk's queries ``q [T, H, d]`` RMSNormed (no weight) and RoPE'd at ``positions``, then their sparse
+    attention over the sliding window (query ``t``: rows ``first + t ..`` of ``kv``, ``window`` of them, none below
+    0) and, with ``limit [T]``, the rows ``comp_start + w`` for ``w < limit[t]``; the output is rotated back by the
+    inverse RoPE in place, on the rotated channels alone (``rope_tail``: a rotation into a new array read and wrote
+    all of them).
 
     Prefill reads the rows in place: the queries go by blocks of :data:`_WINDOW_BLOCK`, each multiplied on cuBLAS
     with the band of window rows its queries share (contiguous in ``kv``) and with all the compressed rows, and one
     launch masks and normalises the scores between the two products (``window_softmax``), so no row is gathered
-    per query (gathers were 11% of a Flash prefill). A few tokens, and the queries past the last whole block, take
-    their row lists to :func:`sparse_attention`."""
+    per query (gathers were 11% of a Flash prefill). The 16-bit prefill multiplies fp16 operands (the norm launch
+    writes the queries so, ``window_softmax`` the weights): TF32's 10-bit mantissas at twice its rate, and in
+    range: a normalised query's channels are at most sqrt(d). A few tokens, and the queries past the last whole
+    block, take their row lists to :func:`sparse_attention`."""
     T, H, d = q.shape
     n_comp = kv.shape[0] - comp_start if limit is not None else 0
     whole = T // _WINDOW_BLOCK * _WINDOW_BLOCK if T > GEMV_TOKENS else 0
-    q, kv = cp.ascontiguousarray(q, dtype=F32), cp.ascontiguousarray(kv, dtype=F32)
+    kv = cp.ascontiguousarray(kv, dtype=F32)
+    positions = cp.ascontiguousarray(positions, dtype=cp.int32).reshape(-1)
     out = cp.empty((T, H, d), dtype=F32)
     if whole < T:
         rest = _window_rows(T - whole, first + whole, window, comp_start, n_comp,
                             None if limit is None else limit[whole:])
-        out[whole:] = sparse_attention(q[whole:], kv, rest, sinks, scale)
+        q_rest = norm_rope(q[whole:], None, eps, positions[whole:], inv_freq)
+        out[whole:] = sparse_attention(q_rest, kv, rest, sinks, scale)
     if whole == 0:
         return _rope_in_place(out, positions, inv_freq)
+    fp16 = tensor_core_prefill()
+    dtype, size = (cp.float16, 2) if fp16 else (F32, 4)
+    q = _norm_rope(q[:whole], None, eps, positions[:whole], inv_freq, dtype)
     B, W = _WINDOW_BLOCK, window
-    # A block's band (its B + W - 1 rows) and the score rows are padded to multiples of 4 floats: 16-byte aligned
-    # operands keep cuBLAS on its vector kernels (odd strides took its align1 ones).
-    L = -(-(B + W - 1) // 4) * 4
+    L = _padded(B + W - 1)
     pad = max(0, -first)  # zero rows in front of the window's, so that every band starts at a row
     s0 = first + pad  # the band of query 0 starts at row s0 of the padded rows
-    kw = cp.zeros((s0 + whole - B + L, d), dtype=F32)
-    n_copy = min(kv.shape[0], kw.shape[0] - pad)
-    kw[pad:pad + n_copy] = kv[:n_copy]
+    # every row of kv after pad zero rows, zeros past them to the last band's end; the compressed rows in place
+    kw = cp.zeros((max(s0 + whole - B + L, pad + kv.shape[0]), d), dtype=dtype)
+    kw[pad:pad + kv.shape[0]] = kv
     lim = np.uint64(0) if limit is None else cp.ascontiguousarray(limit, dtype=cp.int32).reshape(-1)
-    sink, ldp, tf32 = values_or_null(sinks), L + -(-n_comp // 4) * 4, tensor_core_prefill()
+    sink, ldp = values_or_null(sinks), L + _padded(n_comp)
     per_pass = max(1, ATTEND_TOKENS // B)
     for b0 in range(0, whole // B, per_pass):
         nb = min(per_pass, whole // B - b0)
         t0, rows = b0 * B, nb * B * H
         p = cp.empty((rows, ldp), dtype=F32)
-        qa, oa = q.data.ptr + 4 * t0 * H * d, out.data.ptr + 4 * t0 * H * d
-        band = kw.data.ptr + 4 * (s0 + t0) * d
-        comp = kv.data.ptr + 4 * comp_start * d
+        w = cp.empty((rows, ldp), dtype=cp.float16) if fp16 else p  # the weights, the second products' operand
+        qa, oa = q.data.ptr + size * t0 * H * d, out.data.ptr + 4 * t0 * H * d
+        band = kw.data.ptr + size * (s0 + t0) * d
+        comp = kw.data.ptr + size * (pad + comp_start) * d
         gemm_rows(qa, d, band, d, p.data.ptr, ldp, B * H, L, d, transpose_b=True, batch=nb,
-                  strides=(B * H * d, B * d, B * H * ldp), tf32=tf32)
+                  strides=(B * H * d, B * d, B * H * ldp), fp16=fp16)
         if n_comp:
             gemm_rows(qa, d, comp, d, p.data.ptr + 4 * L, ldp, B * H, n_comp, d, transpose_b=True, batch=nb,
-                      strides=(B * H * d, 0, B * H * ldp), tf32=tf32)
+                      strides=(B * H * d, 0, B * H * ldp), fp16=fp16)
         glue_kernel("window_softmax")((-(-rows // 8),), (256,), (
             p, _i32(ldp), _i32(B), _i32(L), _i32(H), _i32(W), _i32(n_comp), _i32(t0), _i32(s0), _i32(pad), lim,
-            sink, F32(scale), _i64(rows)))
-        gemm_rows(p.data.ptr, ldp, band, d, oa, d, B * H, d, L, transpose_b=False, batch=nb,
-                  strides=(B * H * ldp, B * d, B * H * d), tf32=tf32)
+            sink, F32(scale), _i64(rows), w if fp16 else np.uint64(0)))
+        gemm_rows(w.data.ptr, ldp, band, d, oa, d, B * H, d, L, transpose_b=False, batch=nb,
+                  strides=(B * H * ldp, B * d, B * H * d), fp16=fp16)
         if n_comp:
-            gemm_rows(p.data.ptr + 4 * L, ldp, comp, d, oa, d, B * H, d, n_comp, transpose_b=False, batch=nb,
-                      strides=(B * H * ldp, 0, B * H * d), accumulate=True, tf32=tf32)
+            gemm_rows(w.data.ptr + size * L, ldp, comp, d, oa, d, B * H, d, n_comp, transpose_b=False, batch=nb,
+                      strides=(B * H * ldp, 0, B * H * d), accumulate=True, fp16=fp16)
     return _rope_in_place(out, positions, inv_freq)
 
 

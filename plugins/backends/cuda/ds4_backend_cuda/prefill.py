@@ -13,15 +13,17 @@ and multiplies them on tensor cores: the quantized weights are read once per tok
 written. On compute capability 9.0 that kernel is ``moe_wgmma16`` (``kernels/moe_wgmma.cu``, Hopper's warpgroup MMA,
 built for sm_90a by :func:`.modules.sm90a_module`; ``DS4_CUDA_WGMMA=0`` turns it off), elsewhere ``moe_mma16``
 (``mma.sync``); on Flash's shapes the two gave the same bits. Gate and up go together with SwiGLU applied on the
-way out; the down kernel writes each pair's row times its routing weight; rows are summed per token in a fixed
-order. Otherwise (gate and up in different formats) the per-expert counts are read to the host once, and experts,
-largest first, go in groups that fit a scratch budget, each group dequantized to 16 bits once and multiplied with
-all its tokens by one strided-batched cuBLAS GEMM.
+way out (in 16 bits at once where a SwiGLU limit bounds it; else float32, then a scale per row); the down kernel
+writes each pair's row times its routing weight; rows are summed per token in a fixed order. Otherwise (gate and up
+in different formats) the per-expert counts are read to the host once, and experts, largest first, go in groups
+that fit a scratch budget, each group dequantized to 16 bits once and multiplied with all its tokens by one
+strided-batched cuBLAS GEMM.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import os
 from typing import Any
 
@@ -257,22 +259,23 @@ def per_token_products(a: Any, b: Any, transpose_b: bool, tf32: bool) -> Any:
 
 def gemm_rows(a: int, lda: int, b: int, ldb: int, c: int, ldc: int, m: int, n: int, k: int, *, transpose_b: bool,
               batch: int = 1, strides: tuple[int, int, int] = (0, 0, 0), accumulate: bool = False,
-              tf32: bool = False) -> None:
-    """Row-major float32 products at device addresses, batched: ``C_i = A_i @ B_i`` (``B_i [k, n]``) or with
+              tf32: bool = False, fp16: bool = False) -> None:
+    """Row-major products at device addresses, batched: ``C_i = A_i @ B_i`` (``B_i [k, n]``) or with
     ``transpose_b`` ``A_i @ B_i.T`` (``B_i [n, k]``), ``A_i [m, k]``, ``C_i [m, n]`` (plus ``C_i`` when
-    ``accumulate``); ``ld*`` are row strides and ``strides`` the batch strides of A, B and C, in floats (0: every
-    product reads the same matrix, and the matrices of different products may overlap). ``tf32``: tensor cores with
-    TF32 inputs."""
+    ``accumulate``); ``ld*`` are row strides and ``strides`` the batch strides of A, B and C, in elements (0: every
+    product reads the same matrix, and the matrices of different products may overlap). float32 operands, on tensor
+    cores with TF32 inputs when ``tf32``; ``fp16``: fp16 operands. C is float32, accumulated in float32."""
     scalars = cp.asarray([1.0, 1.0 if accumulate else 0.0], dtype=F32)
     handle = cp.cuda.device.get_cublas_handle()
     cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
     mode = cublas.getPointerMode(handle)
     cublas.setPointerMode(handle, _POINTER_MODE_DEVICE)
     sa, sb, sc = strides
+    operands = _CUDA_TYPE["f16"] if fp16 else _CUDA_R_32F
     try:  # column-major: C_i.T = op(B_i.T) @ A_i.T
         cublas.gemmStridedBatchedEx(handle, _OP_T if transpose_b else _OP_N, _OP_N, n, m, k, scalars.data.ptr, b,
-                                    _CUDA_R_32F, ldb, sb, a, _CUDA_R_32F, lda, sa, scalars.data.ptr + 4, c,
-                                    _CUDA_R_32F, ldc, sc, batch, _COMPUTE_32F_TF32 if tf32 else _COMPUTE_32F,
+                                    operands, ldb, sb, a, operands, lda, sa, scalars.data.ptr + 4, c, _CUDA_R_32F,
+                                    ldc, sc, batch, _COMPUTE_32F_TF32 if tf32 and not fp16 else _COMPUTE_32F,
                                     _GEMM_DEFAULT)
     finally:
         cublas.setPointerMode(handle, mode)
@@ -467,20 +470,35 @@ def _moe_fused(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, pa
     tiles = cp.empty(3 * max_tiles, dtype=cp.int32)
     _shared("moe_tiles")((1,), (1024,), (sorted_ids, _i32(rows), _i32(E), tiles, _i32(max_tiles)))
     x16, alpha_beta = to16(x, gu_half)
-    h = cp.empty((rows, inter), dtype=F32)
     none = np.uint64(0)
+    h16 = cp.empty((rows, inter), dtype=cp.uint16)
+    # A SwiGLU limit bounds |h| by limit², so the gate/up tiles write h in 16 bits at once, scaled by one power of
+    # two; unbounded, h goes through float32 and a scale per row.
+    direct = limit > 0 and gu_half == down_half
+    h = None if direct else cp.empty((rows, inter), dtype=F32)
+    s16 = _up_scale(limit * limit) if direct else 1.0
     _tile_kernel(gate_exps.qtype, gu_half, 2)(
         (inter // _MMA_TILE, max_tiles), (128,),
         (gate_exps.data, up_exps.data, _i64(inter * gate_exps.data.shape[-1]), _i64(gate_exps.data.shape[-1]),
-         _i32(inter), _i32(D), tiles, x16, pairs, _i32(k), _i32(1), alpha_beta, F32(limit), none, none, h,
-         _i32(inter)))
-    h16, hs = cp.empty((rows, inter), dtype=cp.uint16), cp.empty(rows, dtype=F32)
-    _shared(f"rows_to16<{_OUT_TYPE[down_half]}>")((rows,), (_THREADS,), (h, _i32(inter), h16, hs))
-    one = cp.ones(1, dtype=F32)
+         _i32(inter), _i32(D), tiles, x16, pairs, _i32(k), _i32(1), alpha_beta, F32(limit), none, none,
+         none if direct else h, _i32(inter), h16 if direct else none, F32(s16)))
+    if direct:
+        hs, alpha = none, cp.full(1, 1.0 / s16, dtype=F32)
+    else:
+        hs, alpha = cp.empty(rows, dtype=F32), cp.ones(1, dtype=F32)
+        _shared(f"rows_to16<{_OUT_TYPE[down_half]}>")((rows,), (_THREADS,), (h, _i32(inter), h16, hs))
     _tile_kernel(down_exps.qtype, down_half, 1)(
         (D // _MMA_TILE, max_tiles), (128,),
         (down_exps.data, none, _i64(D * down_exps.data.shape[-1]), _i64(down_exps.data.shape[-1]), _i32(D),
-         _i32(inter), tiles, h16, pairs, _i32(k), _i32(0), one, F32(0), hs, weights, ypairs, _i32(D)))
+         _i32(inter), tiles, h16, pairs, _i32(k), _i32(0), alpha, F32(0), hs, weights, ypairs, _i32(D), none,
+         F32(1)))
+
+
+def _up_scale(bound: float) -> float:
+    """The power of two that brings ``bound`` into [2^13, 2^14), as ``up_scale`` in ``kernels/prefill.cu``: values
+    up to ``bound`` times it fit fp16 with room, and values down to 2^-27 of it stay normal numbers."""
+    _, e = math.frexp(bound)  # bound = m · 2^e, m in [0.5, 1)
+    return math.ldexp(1.0, min(14 - e, 126))
 
 
 def _expert_group(x16: Any, alpha_beta: Any, one_zero: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight,

@@ -142,14 +142,17 @@ def window_rows(xp: Any, T: int, first: int, window: int) -> Any:
     return xp.where(band >= 0, band, -1)
 
 
-def compose_window_attention(ops: Ops, q: Any, kv: Any, first: int, window: int, comp_start: int, limit: Any,
-                             sinks: Any, scale: float, positions: Any, inv_freq: Any) -> Any:
+def compose_norm_rope_window_attention(ops: Ops, q: Any, eps: float, kv: Any, first: int, window: int,
+                                       comp_start: int, limit: Any, sinks: Any, scale: float, positions: Any,
+                                       inv_freq: Any) -> Any:
     """A chunk's sparse attention whose rows have the prefill's shape, from core ops: the definition of the op
-    ``window_attention``. Query ``t`` of ``q [T, H, d]`` reads the rows ``first + t .. first + t + window - 1`` of
-    ``kv`` that are not negative (its sliding window), then, with ``limit [T]``, the rows ``comp_start + w`` for
-    ``w < limit[t]`` (the complete compressed rows, which follow the window's in ``kv``); the output is rotated back
-    by the inverse RoPE at ``positions`` (the keys' rotation, which the values carry)."""
+    ``norm_rope_window_attention``. The queries ``q [T, H, d]`` are RMSNormed (no weight, eps ``eps``) and RoPE'd at
+    ``positions``; query ``t`` reads the rows ``first + t .. first + t + window - 1`` of ``kv`` that are not
+    negative (its sliding window), then, with ``limit [T]``, the rows ``comp_start + w`` for ``w < limit[t]`` (the
+    complete compressed rows, which follow the window's in ``kv``); the output is rotated back by the inverse RoPE
+    at ``positions`` (the keys' rotation, which the values carry)."""
     xp = ops.xp
+    q = compose_norm_rope(ops, q, None, eps, positions, inv_freq)
     parts = [window_rows(xp, q.shape[0], first, window)]
     if limit is not None:
         w = xp.arange(kv.shape[0] - comp_start)[None, :]
@@ -318,10 +321,9 @@ class Attention:
                     return self._attend(ops, q, xp.concatenate(keys), idx, pos)
         # every complete compressed row is visible: the rows have the window's shape
         cfg = self.cfg
-        q = fused(ops, "norm_rope", compose_norm_rope)(q, None, cfg.rms_norm_eps, pos, self.inv_freq)
-        o = fused(ops, "window_attention", compose_window_attention)(
-            q, xp.concatenate(keys), first, W, n_prev + T, limit, self.attn_sinks, cfg.head_dim ** -0.5, pos,
-            self.inv_freq)
+        o = fused(ops, "norm_rope_window_attention", compose_norm_rope_window_attention)(
+            q, cfg.rms_norm_eps, xp.concatenate(keys), first, W, n_prev + T, limit, self.attn_sinks,
+            cfg.head_dim ** -0.5, pos, self.inv_freq)
         return self._output(ops, o)
 
     def step(self, ops: Ops, x: Any, pos: Any, ls: LayerState, index: StepIndex) -> Any:

@@ -25,8 +25,8 @@ from .model import (
     compose_norm_linear,
     compose_norm_rope,
     compose_norm_rope_attention,
+    compose_norm_rope_window_attention,
     compose_shared_expert,
-    compose_window_attention,
 )
 from .qat import fp4_hadamard_round, fp8_kv_round
 
@@ -102,13 +102,13 @@ def moe_gate_route(x: Any, gate: Any, bias: Any, k: int, scale: float, fixed: An
     return compose_moe_gate_route(_NUMPY_OPS, x, gate, bias, k, scale, fixed)
 
 
-def window_attention(q: Any, kv: Any, first: int, window: int, comp_start: int, limit: Any, sinks: Any,
-                     scale: float, positions: Any, inv_freq: Any) -> Any:
-    """Sparse attention over a prefill's window and complete compressed rows, its output rotated back
-    (:func:`.model.compose_window_attention` over the core numpy ops), the reference of backends that read those
-    rows in place instead of by a list per query."""
-    return compose_window_attention(_NUMPY_OPS, q, kv, first, window, comp_start, limit, sinks, scale, positions,
-                                    inv_freq)
+def norm_rope_window_attention(q: Any, eps: float, kv: Any, first: int, window: int, comp_start: int, limit: Any,
+                               sinks: Any, scale: float, positions: Any, inv_freq: Any) -> Any:
+    """The queries' norm and rotation, then sparse attention over a prefill's window and complete compressed rows,
+    its output rotated back (:func:`.model.compose_norm_rope_window_attention` over the core numpy ops), the
+    reference of backends that read those rows in place instead of by a list per query."""
+    return compose_norm_rope_window_attention(_NUMPY_OPS, q, eps, kv, first, window, comp_start, limit, sinks, scale,
+                                              positions, inv_freq)
 
 
 DEEPSEEK4_OPS: dict[str, Callable] = {
@@ -124,5 +124,5 @@ DEEPSEEK4_OPS: dict[str, Callable] = {
     "norm_rope": norm_rope,
     "norm_rope_attention": norm_rope_attention,
     "moe_gate_route": moe_gate_route,
-    "window_attention": window_attention,
+    "norm_rope_window_attention": norm_rope_window_attention,
 }

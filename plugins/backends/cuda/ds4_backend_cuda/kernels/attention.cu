@@ -8,6 +8,8 @@
 //
 // q [T, H, d], kv [N, d] (keys = values), idx [T, K] rows per query (-1 = none), sinks [H] or null -> out [T, H, d].
 
+#include <cuda_fp16.h>
+
 #define NEG_INF __int_as_float(0xff800000)  // NVRTC has no math.h, so no INFINITY
 #define ATTEND_HEADS 8                      // heads of a block: one warp each in the softmax
 #define ATTEND_ROWS 32                      // rows of a block: ATTEND_ROWS / 8 per warp in the scores
@@ -268,7 +270,8 @@ extern "C" __global__ void attend_softmax(float* __restrict__ dots, const int* _
     for (int j = lane; j < K; j += 32) l[j] = expf(l[j] - peak) / sum;
 }
 
-// The prefill's window attention weights, in place, between window_attention's (ops.py) two products: p [rows, ldp]
+// The prefill's window attention weights, in place (or, with p16 non-null, as fp16 into p16 of p's shape: the
+// second product's operand), between norm_rope_window_attention's (ops.py) two products: p [rows, ldp]
 // holds, for row (b, i, h) = (b · B + i) · H + h, query t = t0 + b · B + i's head h scores over the L >= B + W - 1
 // rows of its block's band (columns 0 .. L - 1: padded window rows s0 + t0 + b · B + c) and the C compressed rows
 // (columns L ..). Column c < L is the query's when i <= c < i + W and its padded row is not padding (>= pad);
@@ -276,7 +279,8 @@ extern "C" __global__ void attend_softmax(float* __restrict__ dots, const int* _
 // denominator; every other column becomes 0, so the second product reads the band whole. One warp per row.
 extern "C" __global__ void window_softmax(float* __restrict__ p, int ldp, int B, int L, int H, int W, int C, int t0,
                                           int s0, int pad, const int* __restrict__ limit,
-                                          const float* __restrict__ sinks, float scale, long long rows) {
+                                          const float* __restrict__ sinks, float scale, long long rows,
+                                          __half* __restrict__ p16) {
     grid_wait();
     const long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (r >= rows) return;  // whole warps leave together
@@ -296,5 +300,12 @@ extern "C" __global__ void window_softmax(float* __restrict__ p, int ldp, int B,
         if (visible(c)) sum += expf(row[c] * scale - peak);
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
     if (sinks) sum += expf(sinks[h] - peak);
-    for (int c = lane; c < L + C; c += 32) row[c] = visible(c) ? expf(row[c] * scale - peak) / sum : 0.f;
+    __half* row16 = p16 ? p16 + r * ldp : nullptr;
+    for (int c = lane; c < L + C; c += 32) {
+        const float v = visible(c) ? expf(row[c] * scale - peak) / sum : 0.f;
+        if (row16)
+            row16[c] = __float2half_rn(v);
+        else
+            row[c] = v;
+    }
 }

@@ -119,16 +119,23 @@ __device__ void hc_split_warp(const float* __restrict__ m, const float* __restri
 // hc_split_warp<4> with the Sinkhorn iterations in one lane: the 4 × 4 matrix in its registers, rows and columns
 // summed in the order of the butterflies (pairs, then the pairs' sums), so every result has the same bits, but
 // without a shuffle in the 41 dependent steps (a step is four sums, four reciprocals and 16 products, side by
-// side). Lanes 0-3 write pre and post, lane 0 comb.
-__device__ void hc_split4_lane(const float* m, const float* __restrict__ scale, const float* __restrict__ base,
-                               int iters, float eps, float* __restrict__ pre, float* __restrict__ post,
-                               float* __restrict__ comb) {
+// side). Lanes 0-3 write pre and post, lane 0 comb; alone: the calling thread writes them all.
+__device__ __forceinline__ void hc_split4_lane(const float* m, const float* __restrict__ scale,
+                                               const float* __restrict__ base, int iters, float eps,
+                                               float* __restrict__ pre, float* __restrict__ post,
+                                               float* __restrict__ comb, bool alone = false) {
     const int lane = threadIdx.x & 31;
-    if (lane < 4) {
+    if (alone) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            pre[i] = hc_sigmoid(m[i] * scale[0] + base[i]) + eps;
+            post[i] = 2.f * hc_sigmoid(m[4 + i] * scale[1] + base[4 + i]);
+        }
+    } else if (lane < 4) {
         pre[lane] = hc_sigmoid(m[lane] * scale[0] + base[lane]) + eps;
         post[lane] = 2.f * hc_sigmoid(m[4 + lane] * scale[1] + base[4 + lane]);
     }
-    if (lane != 0) return;
+    if (!alone && lane != 0) return;
     float c[16], sum[4];
 #pragma unroll
     for (int e = 0; e < 16; ++e) c[e] = m[8 + e] * scale[2] + base[8 + e];
@@ -243,37 +250,51 @@ extern "C" __global__ void hc_split(float* __restrict__ mix, const float* __rest
 }
 
 // hc_split with the slices, then the collapse c = sum_i pre_i · S_i of the streams S [T, n, D] and its RMSNorm with
-// weight w -> out [T, D]; grid (T, 2). Block (t, 0): warp 0 makes the mix row (in shared memory) and pre; every thread
-// loads its column quads of all streams at once (one memory round trip; a loop over streams and columns waited for each
-// load in turn), collapses and normalises them. Block (t, 1) makes the mix row too (in shared memory) and runs the
-// Sinkhorn iterations in one lane (hc_split4_lane; pre, post and comb into global memory): only the sub-layer's end
-// needs them, so its 20 dependent iterations run beside the collapse instead of after it. Three launches of a decode
-// step's hyper-connection became one. HC_NORM_THREADS threads (the registers of the Sinkhorn and the slice sums), D a
-// multiple of 4 up to 4 · HC_QUADS · HC_NORM_THREADS; n = HC_NORM_STREAMS, the models' 4. part's tokens are ld floats
-// apart.
+// weight w -> out [T, D]. The first blocks run the Sinkhorn iterations (hc_split4_lane; pre, post and comb into
+// global memory): only the sub-layer's end needs them, so its 20 dependent iterations run beside the collapse instead
+// of after it. With slices, a block a token (its warp 0 makes the mix row in shared memory); with one slice (a
+// prefill's GEMM made the rows, and hc_mix_row's division is all that is left) a thread a token: a block a token held
+// a whole block's registers for one lane, and a prefill's tokens waited for them in waves. The other T blocks
+// collapse a token each: warp 0 makes the mix row and pre; every thread loads its column quads of all streams at once
+// (one memory round trip; a loop over streams and columns waited for each load in turn), collapses and normalises
+// them. Three launches of a decode step's hyper-connection became one. HC_NORM_THREADS threads (the registers of the
+// Sinkhorn and the slice sums), D a multiple of 4 up to 4 · HC_QUADS · HC_NORM_THREADS; n = HC_NORM_STREAMS, the
+// models' 4. part's tokens are ld floats apart. Grid: HC_SINKS(T, slices) + T blocks.
 #define HC_QUADS 4
 #define HC_NORM_THREADS 256
 #define HC_NORM_STREAMS 4  // hc_split4_lane's
+#define HC_SINKS(T, slices) ((slices) == 1 ? ((T) + HC_NORM_THREADS - 1) / HC_NORM_THREADS : (T))
 extern "C" __global__ void __launch_bounds__(HC_NORM_THREADS) hc_split_norm(
         const float* __restrict__ part, int ld, int slices, int K, float norm_eps,
         const float* __restrict__ scale, const float* __restrict__ base, int iters, float eps, float* __restrict__ pre,
         float* __restrict__ post, float* __restrict__ comb, const float* __restrict__ S, int D,
-        const float* __restrict__ w, float* __restrict__ out) {
+        const float* __restrict__ w, float* __restrict__ out, int T) {
     grid_wait();
     constexpr int N = HC_NORM_STREAMS, M = (2 + N) * N;
     __shared__ float weight[N], partial[32], row[M];
-    const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const float* p = part + (size_t)t * ld;  // token t's [M + 1, slices]
-    if (blockIdx.y == 1) {
-        if (warp == 0) {
-            hc_mix_row(row, p, M, slices, K, norm_eps);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sinks = HC_SINKS(T, slices);
+    if ((int)blockIdx.x < sinks) {
+        if (slices == 1) {
+            const int t = blockIdx.x * HC_NORM_THREADS + threadIdx.x;
+            if (t >= T) return;
+            const float* p = part + (size_t)t * ld;
+            const float root = sqrtf(p[M] / (float)K + norm_eps);  // hc_mix_row's, a thread's own
+            float m[M];
+#pragma unroll
+            for (int r = 0; r < M; ++r) m[r] = p[r] / root;
+            hc_split4_lane(m, scale, base, iters, eps, pre + (size_t)t * N, post + (size_t)t * N,
+                           comb + (size_t)t * N * N, true);
+        } else if (warp == 0) {
+            const int t = blockIdx.x;
+            hc_mix_row(row, part + (size_t)t * ld, M, slices, K, norm_eps);
             hc_split4_lane(row, scale, base, iters, eps, pre + (size_t)t * N, post + (size_t)t * N,
                            comb + (size_t)t * N * N);
         }
         return;
     }
+    const int t = blockIdx.x - sinks;
     if (warp == 0) {
-        hc_mix_row(row, p, M, slices, K, norm_eps);
+        hc_mix_row(row, part + (size_t)t * ld, M, slices, K, norm_eps);
         if (lane < N) weight[lane] = hc_sigmoid(row[lane] * scale[0] + base[lane]) + eps;
     }
     const float4* s = reinterpret_cast<const float4*>(S + (size_t)t * N * D);

@@ -93,7 +93,7 @@ __global__ void __launch_bounds__(128, (WgPlan<Q, NW>::BLOCKS)) moe_wgmma16(
         const u8* __restrict__ w0, const u8* __restrict__ w1, long long expert_bytes, long long row_bytes, int nrows,
         int ncols, const int* __restrict__ tiles, const u16* __restrict__ x16, const int* __restrict__ pairs, int k,
         int gather, const float* __restrict__ alpha, float limit, const float* __restrict__ hs,
-        const float* __restrict__ weights, float* __restrict__ out, int ldc) {
+        const float* __restrict__ weights, float* __restrict__ out, int ldc, u16* __restrict__ out16, float s16) {
     static_assert(MMA_BM == 64 && MMA_BN == 64 && MMA_BK == 64, "the thread maps of the copies and the decode");
     using S = WgPlan<Q, NW>;
     constexpr int TILE = S::TILE, SS = S::SPAN / MMA_BK;  // steps a span
@@ -176,5 +176,5 @@ __global__ void __launch_bounds__(128, (WgPlan<Q, NW>::BLOCKS)) moe_wgmma16(
         for (int i = 0; i < 32; i++)
             C[(n * MMA_BN + 8 * (i / 4) + 2 * t + (i & 1)) * MMA_CLD + 16 * warp + g + 8 * ((i >> 1) & 1)] = acc[n][i];
     __syncthreads();
-    store_tile<NW>(C, *alpha, r0, nrows, first, cnt, pairs, limit, hs, weights, out, ldc);
+    store_tile<O, NW>(C, *alpha, r0, nrows, first, cnt, pairs, limit, hs, weights, out, ldc, out16, s16);
 }

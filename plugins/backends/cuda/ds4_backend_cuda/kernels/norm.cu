@@ -1,6 +1,8 @@
 // RMSNorm and interleaved RoPE as one launch each. As CuPy array code they cost about 5 and 12 launches per call,
 // and a decode step calls them a few dozen times, so in a recorded graph their launch gaps outweighed the work.
 
+#include <cuda_fp16.h>
+
 // y[r] = x[r] / sqrt(mean(x[r]^2) + eps) [· w] for rows of width d; one block per row (blockDim.x a multiple of 32,
 // at most 1024); w may be null. A thread's first HELD elements and their weights are loaded at once and kept in
 // registers for the second pass (a strided loop would wait for each load in turn, and weights loaded after the sum
@@ -49,11 +51,13 @@ extern "C" __global__ void rms_norm_rows(const float* __restrict__ x, const floa
 // rms_norm_rows for a prefill's many short rows: a warp a row (d % 128 == 0, d <= 128 · WARP_QUADS), as many rows
 // a block as it has warps, so no barrier and no block per row (the block a row of rms_norm_rows moved its queries at a
 // third of the copy rate). Lane l holds float4s l, l + 32, .. of its row: a rotated pair is in one float4. The same
-// arithmetic as rms_norm_rows but the order of the sum of squares.
+// arithmetic as rms_norm_rows but the order of the sum of squares. With y16 non-null the rows go there as fp16
+// (rounded to nearest) instead of to y: a prefill's queries, whose products take 16-bit operands.
 #define WARP_QUADS 8
 extern "C" __global__ void rms_norm_warps(const float* __restrict__ x, const float* __restrict__ w, int d, float eps,
-                                          float* __restrict__ y, long long rows, const int* __restrict__ pos,
-                                          const float* __restrict__ inv_freq, int half, int rows_per_token) {
+                                          float* __restrict__ y, __half2* __restrict__ y16, long long rows,
+                                          const int* __restrict__ pos, const float* __restrict__ inv_freq, int half,
+                                          int rows_per_token) {
     grid_wait();
     const long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (r >= rows) return;  // whole warps leave together
@@ -91,7 +95,13 @@ extern "C" __global__ void rms_norm_warps(const float* __restrict__ x, const flo
                 o[e + 1] = a * s + b * co;
             }
         }
-        yr[lane + 32 * k] = make_float4(o[0], o[1], o[2], o[3]);
+        if (y16) {  // one 8-byte store, as the float4's is one 16-byte store
+            const __half2 a = __floats2half2_rn(o[0], o[1]), b = __floats2half2_rn(o[2], o[3]);
+            reinterpret_cast<uint2*>(y16)[(r * d + c) / 4] =
+                make_uint2(*reinterpret_cast<const unsigned*>(&a), *reinterpret_cast<const unsigned*>(&b));
+        } else {
+            yr[lane + 32 * k] = make_float4(o[0], o[1], o[2], o[3]);
+        }
     }
 }
 

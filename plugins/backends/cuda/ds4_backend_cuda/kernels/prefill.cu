@@ -260,18 +260,25 @@ extern "C" __global__ void scatter_pairs(const float* __restrict__ y, int D, con
 }
 
 // out[t, :] = the sum over slots j (in order) of ypairs[t * k + j, :], the rows of the slots with an expert
-// (0 <= idx[t * k + j] < E; no kernel writes the others). D % 4 == 0; one float4 a thread, grid (., T).
+// (0 <= idx[t * k + j] < E; no kernel writes the others). D % 4 == 0; one float4 a thread, grid (., T). The loads of
+// SUM_SLOTS slots are issued together (one after another, each waited on, they ran at half the copy rate).
+#define SUM_SLOTS 8
 extern "C" __global__ void sum_pairs(const float* __restrict__ ypairs, const int* __restrict__ idx, int k, int E, int D,
                                      float* __restrict__ out) {
     const long long t = blockIdx.y;
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (4 * c >= D) return;
     float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int j = 0; j < k; j++) {
-        const int e = idx[t * k + j];
-        if (e < 0 || e >= E) continue;
-        const float4 v = reinterpret_cast<const float4*>(ypairs + (t * k + j) * D)[c];
-        s = make_float4(s.x + v.x, s.y + v.y, s.z + v.z, s.w + v.w);
+    for (int j0 = 0; j0 < k; j0 += SUM_SLOTS) {
+        float4 v[SUM_SLOTS];
+#pragma unroll
+        for (int i = 0; i < SUM_SLOTS; i++) {
+            const int j = j0 + i, e = j < k ? idx[t * k + j] : -1;
+            v[i] = e >= 0 && e < E ? reinterpret_cast<const float4*>(ypairs + (t * k + j) * D)[c]
+                                   : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int i = 0; i < SUM_SLOTS; i++) s = make_float4(s.x + v[i].x, s.y + v[i].y, s.z + v[i].z, s.w + v[i].w);
     }
     reinterpret_cast<float4*>(out + t * D)[c] = s;
 }
@@ -391,21 +398,28 @@ struct TileRows {
 };
 
 // The tile kernels' epilogue (128 threads) from the accumulators in shared memory, C[n][token][row] (row stride MMA_CLD): NW = 2
-// stores h = swiglu(alpha * gate, alpha * up) as float32 at out[(first + m) * ldc + r]; NW = 1 writes
-// out[p * ldc + r] = alpha * hs[first + m] * weights[p] * acc, p = pairs[first + m].
-template <int NW>
+// stores h = swiglu(alpha * gate, alpha * up) at [(first + m) * ldc + r]: as float32 into out, or with out16 non-null
+// as O times s16 into out16 (the down projection's operand; the caller's s16 keeps |h| <= limit^2 in range); NW = 1
+// writes out[p * ldc + r] = alpha * hs[first + m] * weights[p] * acc, p = pairs[first + m] (hs null: 1).
+template <class O, int NW>
 __device__ __forceinline__ void store_tile(const float* C, float a, int r0, int nrows, int first, int cnt,
                                            const int* __restrict__ pairs, float limit, const float* __restrict__ hs,
-                                           const float* __restrict__ weights, float* __restrict__ out, int ldc) {
+                                           const float* __restrict__ weights, float* __restrict__ out, int ldc,
+                                           u16* __restrict__ out16, float s16) {
     for (int id = threadIdx.x; id < MMA_BN * MMA_BM; id += 128) {
         int m = id / MMA_BM, r = id % MMA_BM;
         if (m >= cnt || r0 + r >= nrows) continue;
         float v = a * C[m * MMA_CLD + r];
         if constexpr (NW == 2) {
-            out[(long long)(first + m) * ldc + r0 + r] = swiglu1(v, a * C[(MMA_BN + m) * MMA_CLD + r], limit);
+            const float h = swiglu1(v, a * C[(MMA_BN + m) * MMA_CLD + r], limit);
+            const long long at = (long long)(first + m) * ldc + r0 + r;
+            if (out16)
+                out16[at] = (u16)O::from(h * s16);
+            else
+                out[at] = h;
         } else {
             int p = pairs[first + m];
-            out[(long long)p * ldc + r0 + r] = v * hs[first + m] * weights[p];
+            out[(long long)p * ldc + r0 + r] = v * (hs ? hs[first + m] : 1.f) * weights[p];
         }
     }
 }
@@ -451,7 +465,7 @@ __global__ void __launch_bounds__(128, (MmaPlan<Q, NW>::BLOCKS)) moe_mma16(
         const u8* __restrict__ w0, const u8* __restrict__ w1, long long expert_bytes, long long row_bytes, int nrows,
         int ncols, const int* __restrict__ tiles, const u16* __restrict__ x16, const int* __restrict__ pairs, int k,
         int gather, const float* __restrict__ alpha, float limit, const float* __restrict__ hs,
-        const float* __restrict__ weights, float* __restrict__ out, int ldc) {
+        const float* __restrict__ weights, float* __restrict__ out, int ldc, u16* __restrict__ out16, float s16) {
     static_assert(MMA_BM == 64 && MMA_BN == 64 && MMA_BK == 64, "the thread maps of the copies and the decode");
     using S = MmaPlan<Q, NW>;
     constexpr int TILE = S::TILE;
@@ -532,7 +546,7 @@ __global__ void __launch_bounds__(128, (MmaPlan<Q, NW>::BLOCKS)) moe_mma16(
                     C[(n * MMA_BN + wc + 8 * j + 2 * t + (q & 1)) * MMA_CLD + wr + 16 * i + g + 8 * (q >> 1)] =
                         acc[n][i][j][q];
     __syncthreads();
-    store_tile<NW>(C, *alpha, r0, nrows, first, cnt, pairs, limit, hs, weights, out, ldc);
+    store_tile<O, NW>(C, *alpha, r0, nrows, first, cnt, pairs, limit, hs, weights, out, ldc, out16, s16);
 }
 
 // The first index i of sorted[0 .. n) with sorted[i] >= v (sorted ascending).
