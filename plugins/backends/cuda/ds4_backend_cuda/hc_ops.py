@@ -98,7 +98,7 @@ def _split_norm(S: Any, slices: int, part: Any, scale: Weight, base: Weight, ite
     T, n, D = S.shape
     pre, post, comb, out = cp.empty((T, n), F32), cp.empty((T, n), F32), cp.empty((T, n, n), F32), cp.empty((T, D), F32)
     sinks = -(-T // HC_NORM_THREADS) if slices == 1 else T  # Sinkhorn blocks: HC_SINKS in kernels/hc.cu
-    glue_kernel("hc_split_norm")((sinks + T,), (HC_NORM_THREADS,), (
+    glue_kernel("hc_split_norm_rows" if slices == 1 else "hc_split_norm")((sinks + T,), (HC_NORM_THREADS,), (
         part, np.int32(part.strides[0] // 4), np.int32(slices), np.int32(n * D), F32(norm_eps),
         cp.ascontiguousarray(values(scale), dtype=F32), cp.ascontiguousarray(values(base), dtype=F32), np.int32(iters),
         F32(eps), pre, post, comb, S, np.int32(D), cp.ascontiguousarray(values(norm), dtype=F32), out, np.int32(T)))

@@ -264,12 +264,11 @@ extern "C" __global__ void hc_split(float* __restrict__ mix, const float* __rest
 #define HC_NORM_THREADS 256
 #define HC_NORM_STREAMS 4  // hc_split4_lane's
 #define HC_SINKS(T, slices) ((slices) == 1 ? ((T) + HC_NORM_THREADS - 1) / HC_NORM_THREADS : (T))
-extern "C" __global__ void __launch_bounds__(HC_NORM_THREADS) hc_split_norm(
+__device__ __forceinline__ void hc_split_norm_body(
         const float* __restrict__ part, int ld, int slices, int K, float norm_eps,
         const float* __restrict__ scale, const float* __restrict__ base, int iters, float eps, float* __restrict__ pre,
         float* __restrict__ post, float* __restrict__ comb, const float* __restrict__ S, int D,
         const float* __restrict__ w, float* __restrict__ out, int T) {
-    grid_wait();
     constexpr int N = HC_NORM_STREAMS, M = (2 + N) * N;
     __shared__ float weight[N], partial[32], row[M];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sinks = HC_SINKS(T, slices);
@@ -332,6 +331,26 @@ extern "C" __global__ void __launch_bounds__(HC_NORM_THREADS) hc_split_norm(
             o[d] = make_float4(c[k].x / root * g[k].x, c[k].y / root * g[k].y, c[k].z / root * g[k].z,
                                c[k].w / root * g[k].w);
     }
+}
+
+// A decode step's entry (its few blocks take every register they need) and a prefill's (two blocks a
+// multiprocessor: 128 registers and a few spills, against one block of 167 registers, whose tokens went in waves).
+extern "C" __global__ void __launch_bounds__(HC_NORM_THREADS) hc_split_norm(
+        const float* __restrict__ part, int ld, int slices, int K, float norm_eps,
+        const float* __restrict__ scale, const float* __restrict__ base, int iters, float eps, float* __restrict__ pre,
+        float* __restrict__ post, float* __restrict__ comb, const float* __restrict__ S, int D,
+        const float* __restrict__ w, float* __restrict__ out, int T) {
+    grid_wait();
+    hc_split_norm_body(part, ld, slices, K, norm_eps, scale, base, iters, eps, pre, post, comb, S, D, w, out, T);
+}
+
+extern "C" __global__ void __launch_bounds__(HC_NORM_THREADS, 2) hc_split_norm_rows(
+        const float* __restrict__ part, int ld, int slices, int K, float norm_eps,
+        const float* __restrict__ scale, const float* __restrict__ base, int iters, float eps, float* __restrict__ pre,
+        float* __restrict__ post, float* __restrict__ comb, const float* __restrict__ S, int D,
+        const float* __restrict__ w, float* __restrict__ out, int T) {
+    grid_wait();
+    hc_split_norm_body(part, ld, slices, K, norm_eps, scale, base, iters, eps, pre, post, comb, S, D, w, out, T);
 }
 
 // out[t, d] = sum_i w[t, i] · S[t, i, d]: the collapse of the streams S [T, n, D] with weights w [T, n] (also the

@@ -63,15 +63,11 @@ extern "C" __global__ void rms_norm_warps(const float* __restrict__ x, const flo
     if (r >= rows) return;  // whole warps leave together
     const int lane = threadIdx.x & 31, quads = d / 128;
     const float4* xr = reinterpret_cast<const float4*>(x + r * d);
-    float4 v[WARP_QUADS], g[WARP_QUADS];
+    float4 v[WARP_QUADS];
     float ss = 0.f;
 #pragma unroll
-    for (int k = 0; k < WARP_QUADS; ++k) {
-        if (k < quads) {
-            v[k] = xr[lane + 32 * k];
-            g[k] = w ? reinterpret_cast<const float4*>(w)[lane + 32 * k] : make_float4(1.f, 1.f, 1.f, 1.f);
-        }
-    }
+    for (int k = 0; k < WARP_QUADS; ++k)
+        if (k < quads) v[k] = xr[lane + 32 * k];
 #pragma unroll
     for (int k = 0; k < WARP_QUADS; ++k)
         if (k < quads) ss = fmaf(v[k].x, v[k].x, fmaf(v[k].y, v[k].y, fmaf(v[k].z, v[k].z, fmaf(v[k].w, v[k].w, ss))));
@@ -82,7 +78,9 @@ extern "C" __global__ void rms_norm_warps(const float* __restrict__ x, const flo
 #pragma unroll
     for (int k = 0; k < WARP_QUADS; ++k) {
         if (k >= quads) continue;
-        float o[4] = {v[k].x / root * g[k].x, v[k].y / root * g[k].y, v[k].z / root * g[k].z, v[k].w / root * g[k].w};
+        // the weights here, not beside the row: their registers cost a block a multiprocessor (86 registers: two)
+        const float4 g = w ? reinterpret_cast<const float4*>(w)[lane + 32 * k] : make_float4(1.f, 1.f, 1.f, 1.f);
+        float o[4] = {v[k].x / root * g.x, v[k].y / root * g.y, v[k].z / root * g.z, v[k].w / root * g.w};
         const int c = 4 * (lane + 32 * k);
 #pragma unroll
         for (int e = 0; e < 4; e += 2) {
