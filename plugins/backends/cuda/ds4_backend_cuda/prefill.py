@@ -96,8 +96,8 @@ def _fill_iq2xxs_tables(module: Any) -> None:
     grid, _ = iq2xxs_tables()
     table = cp.ndarray((grid.size,), cp.uint8, module.get_global("iq2xxs_grid"))
     table[...] = cp.asarray(grid.astype(np.uint8).reshape(-1))
-    codes = cp.ndarray((256,), cp.uint16, module.get_global("iq2xxs_codes"))
-    codes[...] = cp.asarray(_grid_codes(grid))
+    selectors = cp.ndarray((256, 4), cp.uint16, module.get_global("iq2xxs_selectors"))
+    selectors[...] = cp.asarray(_grid_selectors(grid))
 
 
 @functools.cache
@@ -140,10 +140,13 @@ def _tile_kernel(qtype: str, half: str, nw: int) -> Any:
     return _kernel(qtype, f"moe_mma16<{qtype}, {_OUT_TYPE[half]}, {nw}>")
 
 
-def _grid_codes(grid: np.ndarray) -> np.ndarray:
-    """IQ2_XXS's grid ``[256, 8]`` (magnitudes 8, 25, 43) as 2-bit codes 0, 1, 2, code i at bits 2i of a uint16."""
-    code = np.searchsorted(np.array([8, 25, 43]), grid).astype(np.uint16)
-    return (code << (2 * np.arange(8, dtype=np.uint16))).sum(axis=1, dtype=np.uint16)
+def _grid_selectors(grid: np.ndarray) -> np.ndarray:
+    """IQ2_XXS's grid ``[256, 8]`` (magnitudes 8, 25, 43) as ``[256, 4]`` prmt selectors, one per pair of weights:
+    for codes a, b (0, 1, 2) of the pair, the fp16 bytes of magnitude a then b from (lo, hi) = (8s | 25s << 16, 43s)
+    (``IQ2Half`` in ``kernels/prefill.cu``)."""
+    code = np.searchsorted(np.array([8, 25, 43]), grid).astype(np.uint32).reshape(256, 4, 2)
+    x = code[..., 0] | code[..., 1] << 2  # a | b << 2
+    return ((x + (x & 0xC) * 63) * 0x22 + 0x1010).astype(np.uint16)
 
 
 def _kernel(qtype: str, name: str) -> Any:

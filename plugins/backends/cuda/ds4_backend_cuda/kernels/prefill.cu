@@ -45,9 +45,10 @@ struct Decode32 {
     }
 };
 
-// IQ2_XXS's grid rows as 2-bit codes (0, 1, 2 for 8, 25, 43; code i at bits 2i), filled from the host: a lookup
-// reads 2 bytes of a 512-byte table (the 8-byte rows of iq2xxs_grid spread a warp's lookups over 16 cache lines).
-__device__ u16 iq2xxs_codes[256];
+// IQ2_XXS's grid rows as the four prmt selectors of IQ2Half::part (16 bits each, pair q at bits 16q), filled from the
+// host: the selector of a pair of codes a, b (0, 1, 2 for 8, 25, 43) picks fp16 bytes from (lo, hi) = (8s | 25s, 43s).
+// One 8-byte lookup a row; computing each selector from 2-bit codes took four instructions a pair.
+__device__ uint2 iq2xxs_selectors[256];
 
 // IQ2_XXS to fp16 (the routed experts' prefill is bound by this decode): the group's three magnitudes times its scale
 // are rounded once, and each pair of weights is picked from them by one prmt whose selector the pair's two codes make
@@ -63,14 +64,14 @@ struct IQ2Half {
     __device__ __forceinline__ uint4 part(int k) const {
         const u32 sg = IQ2_XXS::signs(h, k);
         const u32 spread[2] = {(sg & 0xFu) * 0x10204080u, (sg >> 4) * 0x10204080u};  // bit 8i + 7: element i's sign
-        const u32 codes = iq2xxs_codes[(h.grid >> (8 * k)) & 255];
+        const uint2 sel = iq2xxs_selectors[(h.grid >> (8 * k)) & 255];
         u32 o[4];
 #pragma unroll
         for (int q = 0; q < 4; q++) {
             u32 mask;  // prmt's sign mode: byte 1 (3) all ones when element 2q (2q + 1) is negative
             asm("prmt.b32 %0, %1, 0, %2;" : "=r"(mask) : "r"(spread[q / 2]), "r"(q % 2 ? 0xB4A4u : 0x9484u));
-            const u32 x = (codes >> (4 * q)) & 0xFu;  // the pair's codes a | b << 2 -> a | b << 8
-            o[q] = __byte_perm(lo, hi, (x + (x & 0xCu) * 63u) * 0x22u + 0x1010u) ^ (mask & 0x80008000u);
+            const u32 s = q < 2 ? sel.x : sel.y;  // prmt reads a selector's low 16 bits
+            o[q] = __byte_perm(lo, hi, q % 2 ? s >> 16 : s) ^ (mask & 0x80008000u);
         }
         return make_uint4(o[0], o[1], o[2], o[3]);
     }
