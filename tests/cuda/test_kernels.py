@@ -232,15 +232,17 @@ def test_sparse_attention_at_decode_shapes(cuda_backend, T, K, d, rng):
 
 # (T, n_prev, n_comp): whole blocks of 64 queries and a rest (by row lists), a window reaching before the first row
 # or not, compressed rows or none, a few tokens; two passes of blocks with ATTEND_TOKENS at 64; the 16-bit prefill's
-# fp16 operands, with rows of 48 (the queries' norm in float32, then cast) and of 128 (the norm launch writes fp16)
+# fp16 operands, with rows of 48 (the queries' norm in float32, then cast) and of 128 (the norm launch writes fp16),
+# the output converted for the F16 grouped projection by rope_to16 (T > 32) with its scale from kv's bound
 @pytest.mark.parametrize(("T", "n_prev", "n_comp", "passes", "fp16", "d"), [
     (200, 7, 30, False, False, 48), (200, 7, 30, True, False, 48), (128, 15, 0, False, False, 48),
     (130, 0, 3, True, False, 48), (5, 3, 4, False, False, 48), (200, 7, 30, True, True, 48),
-    (200, 7, 30, False, True, 128), (130, 0, 3, True, True, 128)])
+    (200, 7, 30, False, True, 128), (130, 0, 3, True, True, 128), (5, 3, 4, False, True, 128)])
 def test_norm_rope_window_attention(cuda_backend, T, n_prev, n_comp, passes, fp16, d, rng, monkeypatch):
     """A prefill's queries normed and rotated, then their window and complete compressed rows read in place (bands
-    of 64 queries, cuBLAS, window_softmax) against the numpy reference, which lists each query's rows: at float32
-    tolerance, or fp16's (the 16-bit prefill's operands, 10-bit mantissas)."""
+    of 64 queries, cuBLAS, window_softmax), the output rotated back and through the grouped projection, against the
+    numpy reference, which lists each query's rows: at float32 tolerance, or fp16's (the 16-bit prefill's operands,
+    10-bit mantissas)."""
     from ds4_backend_cuda import ops
     from ds4_model_deepseek4 import ops as dref
 
@@ -248,21 +250,26 @@ def test_norm_rope_window_attention(cuda_backend, T, n_prev, n_comp, passes, fp1
         monkeypatch.setattr(ops, "ATTEND_TOKENS", 64)
     if fp16:
         monkeypatch.setenv("DS4_CUDA_PREFILL", "16")
-    H, W, eps = 5, 16, 1e-6
+    H, W, eps, G = 5, 16, 1e-6, 2
     first, comp_start = n_prev - W + 1, n_prev + T
     q = 3 * rng.standard_normal((T, H, d), dtype=np.float32)
     kv = rng.standard_normal((comp_start + n_comp, d), dtype=np.float32)
     limit = np.minimum((np.arange(T) + n_prev + 1) // 4, n_comp).astype(np.int32) if n_comp else None
     sinks_ref, sinks = _pair(cuda_backend, "F32", (H,), rng)
+    out_ref, out_a = _pair(cuda_backend, "F16", (G * 16, H * d // G), rng)
     pos = (n_prev + np.arange(T)).astype(np.int32)
     inv_freq = (10000.0 ** -(np.arange(8) / 8)).astype(np.float32)  # the last 16 channels rotate
     xp = cuda_backend.asarray
     got = cuda_backend.to_numpy(ops.norm_rope_window_attention(
         xp(q), eps, xp(kv), first, W, comp_start, None if limit is None else xp(limit), sinks, d ** -0.5, xp(pos),
-        xp(inv_freq)))
+        xp(inv_freq), out_a, G))
     want = dref.norm_rope_window_attention(q, eps, kv, first, W, comp_start, limit, sinks_ref, d ** -0.5, pos,
-                                           inv_freq)
-    np.testing.assert_allclose(got, want, rtol=2e-2 if fp16 else 1e-4, atol=2e-3 if fp16 else 1e-5)
+                                           inv_freq, out_ref, G)
+    assert got.shape == want.shape == (T, G, 16)
+    if fp16:
+        assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
 # (2, 37, 68, 33): the rotated channels start at 2, inside a float4 of the queries

@@ -224,6 +224,33 @@ def test_prefill_moe_matches_the_oracle(cuda_backend, gate_type, up_type, down_t
     assert np.linalg.norm(got - emulated) <= 0.25 * np.linalg.norm(want - emulated)
 
 
+@pytest.mark.parametrize("half", ["f16", "bf16"])
+def test_rope_to16_is_the_inverse_rope_then_the_scaled_rounding(cuda_backend, half, rng):
+    """rope_to16's bits are rope_rows' inverse rotation of the trailing channels (the same sincosf arithmetic) times
+    the power of two that puts max|bound_of| · factor in [2^13, 2^14), rounded to nearest even; rows of 48 channels,
+    the last 16 rotated, five rows a token."""
+    import cupy as cp
+    from ds4_backend_cuda import ops
+    from ds4_backend_cuda.prefill import rope_to16
+
+    T, H, d = 40, 5, 48
+    x = rng.standard_normal((T, H, d), dtype=np.float32)
+    kv = (rng.standard_normal((70, d)) * 3).astype(np.float32)
+    pos = (100 + np.arange(T)).astype(np.int32)
+    inv_freq = (10000.0 ** -(np.arange(8) / 8)).astype(np.float32)
+    got, alpha_beta = rope_to16(cp.asarray(x), half, cp.asarray(pos), cp.asarray(inv_freq), cp.asarray(kv), 1.5)
+    rotated = cp.asnumpy(ops.rope(cp.asarray(x), cp.asarray(pos), cp.asarray(inv_freq), inverse=True))
+    _, e = np.frexp(np.float32(np.abs(kv).max() * np.float32(1.5)))
+    s = np.float32(2.0 ** min(14 - int(e), 126))
+    scaled = rotated * s
+    if half == "f16":
+        want = scaled.astype(np.float16).view(np.uint16)
+    else:
+        want = (_round16(scaled, "bf16").astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    np.testing.assert_array_equal(cp.asnumpy(got), want)
+    np.testing.assert_array_equal(cp.asnumpy(alpha_beta), np.array([1 / s, 0], dtype=np.float32))
+
+
 # 8 whole groups of 8; a tail of 5 past them; a view 4 bytes into its buffer (no 16-byte accesses); NaNs among them
 @pytest.mark.parametrize(("n", "offset", "nan"), [(4096 * 16, 0, False), (64 + 5, 0, False), (1003, 1, False),
                                                  (777, 0, True)])

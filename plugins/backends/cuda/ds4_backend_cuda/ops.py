@@ -8,6 +8,7 @@ chunks to float32 and use cuBLAS. Routed experts read only the selected experts,
 from __future__ import annotations
 
 import functools
+import math
 import os
 from typing import Any
 
@@ -20,11 +21,13 @@ from ds4_core.errors import BackendError
 from .modules import INT8_TYPES, glue_kernel, quant_kernel
 from .prefill import (
     gemm_rows,
+    half_of,
     per_token_products,
     prefill_grouped_linear,
     prefill_linear,
     prefill_linears,
     prefill_moe,
+    rope_to16,
 )
 
 F32 = cp.float32
@@ -553,12 +556,12 @@ def _padded(n: int) -> int:
 
 
 def norm_rope_window_attention(q: Any, eps: float, kv: Any, first: int, window: int, comp_start: int, limit: Any,
-                               sinks: Weight | None, scale: float, positions: Any, inv_freq: Any) -> Any:
+                               sinks: Weight | None, scale: float, positions: Any, inv_freq: Any, out_a: Weight,
+                               groups: int) -> Any:
     """A chunk's queries ``q [T, H, d]`` RMSNormed (no weight) and RoPE'd at ``positions``, then their sparse
     attention over the sliding window (query ``t``: rows ``first + t ..`` of ``kv``, ``window`` of them, none below
     0) and, with ``limit [T]``, the rows ``comp_start + w`` for ``w < limit[t]``; the output is rotated back by the
-    inverse RoPE in place, on the rotated channels alone (``rope_tail``: a rotation into a new array read and wrote
-    all of them).
+    inverse RoPE and goes through the grouped projection ``out_a`` (:func:`_grouped_output`) -> ``[T, groups, rows]``.
 
     Prefill reads the rows in place: the queries go by blocks of :data:`_WINDOW_BLOCK`, each multiplied on cuBLAS
     with the band of window rows its queries share (contiguous in ``kv``) and with all the compressed rows, and one
@@ -579,7 +582,7 @@ def norm_rope_window_attention(q: Any, eps: float, kv: Any, first: int, window: 
         q_rest = norm_rope(q[whole:], None, eps, positions[whole:], inv_freq)
         out[whole:] = sparse_attention(q_rest, kv, rest, sinks, scale)
     if whole == 0:
-        return _rope_in_place(out, positions, inv_freq)
+        return _grouped_output(out, kv, positions, inv_freq, out_a, groups)
     fp16 = tensor_core_prefill()
     dtype, size = (cp.float16, 2) if fp16 else (F32, 4)
     q = _norm_rope(q[:whole], None, eps, positions[:whole], inv_freq, dtype)
@@ -614,7 +617,22 @@ def norm_rope_window_attention(q: Any, eps: float, kv: Any, first: int, window: 
         if n_comp:
             gemm_rows(w.data.ptr + size * L, ldp, comp, d, oa, d, B * H, d, n_comp, transpose_b=False, batch=nb,
                       strides=(B * H * ldp, 0, B * H * d), accumulate=True, fp16=fp16)
-    return _rope_in_place(out, positions, inv_freq)
+    return _grouped_output(out, kv, positions, inv_freq, out_a, groups)
+
+
+def _grouped_output(o: Any, kv: Any, positions: Any, inv_freq: Any, out_a: Weight, groups: int) -> Any:
+    """The attention output ``o [T, H, d]`` over rows of ``kv``, rotated back by the inverse RoPE at ``positions``,
+    through the grouped projection ``out_a`` -> ``[T, groups, rows]``. A 16-bit prefill converts ``o`` for the
+    projection in the rotation's pass (:func:`.prefill.rope_to16`), scaled by a bound known beforehand: each output is
+    a combination of kv's rows with weights of sum at most 1 (the sink takes the rest), so ``|o| <= max|kv|``, and a
+    rotated pair's values at most sqrt(2) times that; the pass that found ``max|o|`` (and the rotation's) are gone."""
+    T, H, d = o.shape
+    ncols = H * d // groups
+    if (T > GEMV_MAX_TOKENS and tensor_core_prefill() and out_a.qtype != "F32" and d % 8 == 0
+            and 2 * inv_freq.shape[0] <= d):
+        converted = rope_to16(o, half_of(out_a.qtype), positions, inv_freq, kv, math.sqrt(2))
+        return prefill_grouped_linear(o.reshape(T, groups, ncols), out_a.data, out_a.qtype, ncols, converted)
+    return grouped_linear(_rope_in_place(o, positions, inv_freq).reshape(T, groups, ncols), out_a)
 
 
 def _rope_in_place(x: Any, positions: Any, inv_freq: Any) -> Any:

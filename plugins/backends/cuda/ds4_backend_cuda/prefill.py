@@ -82,7 +82,7 @@ def _module(qtype: str) -> Any:
     """quant.cu + prefill.cu with the 16-bit dequantizer of ``qtype`` and the shared prefill kernels."""
     names = [f"dequant16<{qtype}, {o}>" for o in _OUT_TYPE.values()]
     names += [f"moe_mma16<{qtype}, {o}, {nw}>" for o in _OUT_TYPE.values() for nw in (1, 2)]
-    names += [f"{k}<{o}>" for k in ("to16", "swiglu16", "rows_to16") for o in _OUT_TYPE.values()]
+    names += [f"{k}<{o}>" for k in ("to16", "rope_to16", "swiglu16", "rows_to16") for o in _OUT_TYPE.values()]
     module = cp.RawModule(code=program("quant.cu", "prefill.cu"), options=("--std=c++17",),
                           name_expressions=names)
     if qtype == "IQ2_XXS":
@@ -166,7 +166,7 @@ def warm(qtypes: tuple[str, ...]) -> None:
             for nw in (1, 2):
                 _tile_kernel(qtype, half, nw)
     for name in ("gather16", "scatter_pairs", "sum_pairs", "amax_abs", "moe_tiles",
-                 *(f"{k}<{o}>" for k in ("to16", "swiglu16", "rows_to16") for o in _OUT_TYPE.values())):
+                 *(f"{k}<{o}>" for k in ("to16", "rope_to16", "swiglu16", "rows_to16") for o in _OUT_TYPE.values())):
         _shared(name)
 
 
@@ -204,6 +204,23 @@ def to16(x: Any, half: str) -> tuple[Any, Any]:
     _shared("amax_abs")((max(1, min(_AMAX_BLOCKS, -(-n // (4 * _THREADS)))),), (_THREADS,), (x, _i64(n), amax))
     _shared(f"to16<{_OUT_TYPE[half]}>")((max(1, -(-n // (8 * _THREADS))),), (_THREADS,),
                                         (x, _i64(n), amax, out, alpha_beta))
+    return out, alpha_beta
+
+
+def rope_to16(x: Any, half: str, positions: Any, inv_freq: Any, bound_of: Any, factor: float) -> tuple[Any, Any]:
+    """:func:`to16` of ``x [T, ..., d]`` (float32, contiguous; ``d % 8 == 0``) after the inverse RoPE at
+    ``positions`` of its trailing ``2 · len(inv_freq)`` channels, with the scale of ``max|bound_of| · factor``, a
+    bound of ``max|x|`` (an attention output's: its values' largest magnitude times sqrt(2) for the rotation), so no
+    pass over ``x`` finds its maximum first. One read of ``x``."""
+    out = cp.empty(x.shape, dtype=cp.uint16)
+    alpha_beta, amax = cp.empty(2, dtype=F32), cp.zeros(1, dtype=F32)
+    bound_of = cp.ascontiguousarray(bound_of, dtype=F32)
+    _shared("amax_abs")((max(1, min(_AMAX_BLOCKS, -(-bound_of.size // (4 * _THREADS)))),), (_THREADS,),
+                        (bound_of, _i64(bound_of.size), amax))
+    d, n = x.shape[-1], x.size
+    _shared(f"rope_to16<{_OUT_TYPE[half]}>")((max(1, -(-n // (8 * _THREADS))),), (_THREADS,), (
+        x, _i64(n), _i32(d), _i32(inv_freq.shape[0]), cp.ascontiguousarray(positions, dtype=cp.int32).reshape(-1),
+        cp.ascontiguousarray(inv_freq, dtype=F32), _i32(n // d // x.shape[0]), amax, F32(factor), out, alpha_beta))
     return out, alpha_beta
 
 
@@ -334,10 +351,11 @@ def prefill_linears(x: Any, mats: tuple[tuple[Any, str, int], ...]) -> tuple[Any
     return tuple(outs)
 
 
-def prefill_grouped_linear(x: Any, raw: Any, qtype: str, ncols: int) -> Any:
+def prefill_grouped_linear(x: Any, raw: Any, qtype: str, ncols: int, converted: tuple[Any, Any] | None = None) -> Any:
     """Block-diagonal ``x [T, G, ncols]`` times the G row blocks of raw rows ``W [G·R, row bytes]`` on tensor cores
-    -> float32 ``[T, G, R]``: ``x`` converted to 16 bits once, and one strided-batched GEMM per tile of whole groups
-    that reads each group's columns and writes its outputs in place (a GEMM per group needed two copies of each)."""
+    -> float32 ``[T, G, R]``: ``x`` converted to 16 bits once (or ``converted``, its :func:`to16` in the format's
+    16-bit type made by the caller; not for F32 rows), and one strided-batched GEMM per tile of whole groups that reads
+    each group's columns and writes its outputs in place (a GEMM per group needed two copies of each)."""
     x = cp.ascontiguousarray(x, dtype=F32)
     T, groups = x.shape[:2]
     rows = raw.shape[0] // groups
@@ -351,7 +369,7 @@ def prefill_grouped_linear(x: Any, raw: Any, qtype: str, ncols: int) -> Any:
                   transpose_b=True, batch=groups, strides=(ncols, rows * ncols, rows))
         return out
     half = half_of(qtype)
-    x16, alpha_beta = to16(x, half)
+    x16, alpha_beta = converted or to16(x, half)
     x16 = x16.reshape(T, wide)
     if qtype in ("F16", "BF16"):
         _gemm_nt(raw, half, x16, out.data.ptr, rows, T, ncols, groups * rows, alpha_beta, groups, rows * ncols, ncols,

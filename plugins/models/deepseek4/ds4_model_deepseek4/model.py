@@ -144,21 +144,24 @@ def window_rows(xp: Any, T: int, first: int, window: int) -> Any:
 
 def compose_norm_rope_window_attention(ops: Ops, q: Any, eps: float, kv: Any, first: int, window: int,
                                        comp_start: int, limit: Any, sinks: Any, scale: float, positions: Any,
-                                       inv_freq: Any) -> Any:
+                                       inv_freq: Any, out_a: Any, groups: int) -> Any:
     """A chunk's sparse attention whose rows have the prefill's shape, from core ops: the definition of the op
     ``norm_rope_window_attention``. The queries ``q [T, H, d]`` are RMSNormed (no weight, eps ``eps``) and RoPE'd at
     ``positions``; query ``t`` reads the rows ``first + t .. first + t + window - 1`` of ``kv`` that are not
     negative (its sliding window), then, with ``limit [T]``, the rows ``comp_start + w`` for ``w < limit[t]`` (the
     complete compressed rows, which follow the window's in ``kv``); the output is rotated back by the inverse RoPE
-    at ``positions`` (the keys' rotation, which the values carry)."""
+    at ``positions`` (the keys' rotation, which the values carry), and its heads go through the grouped projection
+    ``out_a`` in ``groups`` groups -> ``[T, groups, rows]`` (a backend that knows the output's bound, the values'
+    largest magnitude, converts it for that projection without a pass to find it)."""
     xp = ops.xp
     q = compose_norm_rope(ops, q, None, eps, positions, inv_freq)
     parts = [window_rows(xp, q.shape[0], first, window)]
     if limit is not None:
         w = xp.arange(kv.shape[0] - comp_start)[None, :]
         parts.append(xp.where(w < limit[:, None], w + comp_start, -1))
-    o = ops.sparse_attention(q, kv, xp.concatenate(parts, axis=1), sinks, scale)
-    return ops.rope(o, positions, inv_freq, inverse=True)
+    o = ops.rope(ops.sparse_attention(q, kv, xp.concatenate(parts, axis=1), sinks, scale), positions, inv_freq,
+                 inverse=True)
+    return ops.grouped_linear(o.reshape(o.shape[0], groups, -1), out_a)
 
 
 def compose_compress_step(ops: Ops, kv_row: Any, gate_row: Any, ape: Any, pos: Any, buf_kv: Any, buf_gate: Any,
@@ -321,10 +324,10 @@ class Attention:
                     return self._attend(ops, q, xp.concatenate(keys), idx, pos)
         # every complete compressed row is visible: the rows have the window's shape
         cfg = self.cfg
-        o = fused(ops, "norm_rope_window_attention", compose_norm_rope_window_attention)(
+        low = fused(ops, "norm_rope_window_attention", compose_norm_rope_window_attention)(
             q, cfg.rms_norm_eps, xp.concatenate(keys), first, W, n_prev + T, limit, self.attn_sinks,
-            cfg.head_dim ** -0.5, pos, self.inv_freq)
-        return self._output(ops, o)
+            cfg.head_dim ** -0.5, pos, self.inv_freq, self.attn_output_a, cfg.o_groups)
+        return self._output_b(ops, low)
 
     def step(self, ops: Ops, x: Any, pos: Any, ls: LayerState, index: StepIndex) -> Any:
         """One token ``x [1, D]`` at the device position ``pos [1]`` -> ``[1, D]``; advances ``ls``.
@@ -412,9 +415,12 @@ class Attention:
 
     def _output(self, ops: Ops, o: Any) -> Any:
         """The grouped output projection of the attention's heads ``o [T, H, hd]`` -> ``[T, D]``."""
-        T, cfg = o.shape[0], self.cfg
-        low = ops.grouped_linear(o.reshape(T, cfg.o_groups, -1), self.attn_output_a)
-        return ops.linear(low.reshape(T, -1), self.attn_output_b)
+        return self._output_b(ops, ops.grouped_linear(o.reshape(o.shape[0], self.cfg.o_groups, -1),
+                                                      self.attn_output_a))
+
+    def _output_b(self, ops: Ops, low: Any) -> Any:
+        """The grouped projection's ``low [T, G, rows]`` through ``attn_output_b`` -> ``[T, D]``."""
+        return ops.linear(low.reshape(low.shape[0], -1), self.attn_output_b)
 
 
 class MoE:

@@ -103,12 +103,14 @@ def moe_gate_route(x: Any, gate: Any, bias: Any, k: int, scale: float, fixed: An
 
 
 def norm_rope_window_attention(q: Any, eps: float, kv: Any, first: int, window: int, comp_start: int, limit: Any,
-                               sinks: Any, scale: float, positions: Any, inv_freq: Any) -> Any:
+                               sinks: Any, scale: float, positions: Any, inv_freq: Any, out_a: Any,
+                               groups: int) -> Any:
     """The queries' norm and rotation, then sparse attention over a prefill's window and complete compressed rows,
-    its output rotated back (:func:`.model.compose_norm_rope_window_attention` over the core numpy ops), the
-    reference of backends that read those rows in place instead of by a list per query."""
+    its output rotated back and through the grouped projection ``out_a``
+    (:func:`.model.compose_norm_rope_window_attention` over the core numpy ops), the reference of backends that read
+    those rows in place instead of by a list per query."""
     return compose_norm_rope_window_attention(_NUMPY_OPS, q, eps, kv, first, window, comp_start, limit, sinks, scale,
-                                              positions, inv_freq)
+                                              positions, inv_freq, out_a, groups)
 
 
 DEEPSEEK4_OPS: dict[str, Callable] = {

@@ -170,6 +170,43 @@ __global__ void to16(const float* __restrict__ x, long long n, const float* __re
     for (long long j = i; j < n && j < i + 8; ++j) out[j] = (u16)O::from(x[j] * s);
 }
 
+// to16 of rows of d values after the inverse RoPE of their trailing 2·half channels (rope_tail's arithmetic; row r
+// of token r / rows_per_token), scaled by the power of two that up_scale gives *amax · factor: a bound of max|x|
+// known without a pass over x (an attention output's, from its values'). d % 8 == 0, x and out 16-byte aligned;
+// eight values a thread, whole pairs.
+template <class O>
+__global__ void rope_to16(const float* __restrict__ x, long long n, int d, int half, const int* __restrict__ pos,
+                          const float* __restrict__ inv_freq, int rows_per_token, const float* __restrict__ amax,
+                          float factor, u16* __restrict__ out, float* __restrict__ alpha_beta) {
+    const float s = up_scale(*amax * factor);
+    const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * 8;
+    if (i == 0) {
+        alpha_beta[0] = 1.f / s;
+        alpha_beta[1] = 0.f;
+    }
+    if (i >= n) return;
+    const float4 a = reinterpret_cast<const float4*>(x + i)[0], b = reinterpret_cast<const float4*>(x + i)[1];
+    float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    const long long row = i / d;
+    const int c0 = (int)(i - row * d), first = d - 2 * half;
+    if (c0 + 8 > first) {
+        const float p = (float)pos[row / rows_per_token];
+#pragma unroll
+        for (int e = 0; e < 8; e += 2) {
+            if (c0 + e < first) continue;
+            float sn, co;
+            sincosf(p * inv_freq[(c0 + e - first) / 2], &sn, &co);
+            sn = -sn;
+            const float u = v[e], w = v[e + 1];
+            v[e] = u * co - w * sn;
+            v[e + 1] = u * sn + w * co;
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < 8; e++) v[e] *= s;
+    *reinterpret_cast<uint4*>(out + i) = pack8<O>(v);
+}
+
 // Expert-major padded activations: row (j, m) = (blockIdx.y, blockIdx.x) of out is row pairs[seg_off[j] + m] / k
 // of x16 when m < seg_cnt[j] (pairs: (token, slot) ids sorted by expert), zeros otherwise. ncols % 8 == 0.
 extern "C" __global__ void gather16(const u16* __restrict__ x16, int ncols, const int* __restrict__ pairs, int k,
