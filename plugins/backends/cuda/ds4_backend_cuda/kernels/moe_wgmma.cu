@@ -59,6 +59,16 @@ __device__ __forceinline__ void wg_settle(float (&d)[32]) {
     for (int i = 0; i < 32; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// The tensor cores read a wgmma's A fragments from the registers until wgmma.wait_group retires it, which the
+// compiler does not know: a use of them after that wait keeps their registers from the decode before it.
+template <int NW>
+__device__ __forceinline__ void wg_keep(const u32 (&a)[NW][4][4]) {
+#pragma unroll
+    for (int n = 0; n < NW; n++)
+#pragma unroll
+        for (int i = 0; i < 16; i++) asm volatile("" ::"r"(a[n][i / 4][i % 4]) : "memory");
+}
+
 // Shared memory of moe_wgmma16<Q, *, NW> (dynamic: more than 48 KB with the accumulators' tiles): two B tiles, so
 // that step s + 1's activations copy while the tensor cores multiply step s, and two staging areas (the next span's
 // windows copy while this span's decode). BLOCKS: the blocks per SM the registers are capped for (each thread holds
@@ -129,10 +139,11 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // u = tid + 128i: token u % 8 + 8 * (u / 64), columns 8 * (u / 8 % 8) .. + 7 (a quarter-warp writes one chunk of 8
 // tokens, free of bank conflicts, and a warp reads 64 contiguous bytes of each of 8 tokens).
 // Step s: at a span's first step, wait for its windows (copied a span earlier) and sync the warp; decode into the A
-// fragments of s & 1 (their wgmmas, of step s - 2, are complete); wait for the activations of s and for the wgmmas of
-// s - 1; fence to the async proxy; barrier; issue the 4 x NW wgmmas (64 x 64 x 16) of s; start the copies of the
-// activations of s + 1 (into the B tile the wgmmas of s - 1 read) and, when s + 1 opens a span, of the windows of the
-// span after it.
+// fragments of s & 1 (registers of their own, whose wgmmas, of step s - 2, are complete: a single set, rewritten while
+// the tensor cores still read it, gave NaNs); wait for the activations of s and for the wgmmas of s - 1, and keep the
+// fragments of s - 1 until then (wg_keep); fence to the async proxy; barrier; issue the 4 x NW wgmmas (64 x 64 x 16)
+// of s; start the copies of the activations of s + 1 (into the B tile the wgmmas of s - 1 read) and, when s + 1 opens
+// a span, of the windows of the span after it.
 template <class Q, class O, int NW>
 __global__ void __launch_bounds__(128, (WgPlan<Q, NW>::BLOCKS)) moe_wgmma16(
         const u8* __restrict__ w0, const u8* __restrict__ w1, long long expert_bytes, long long row_bytes, int nrows,
@@ -181,19 +192,17 @@ __global__ void __launch_bounds__(128, (WgPlan<Q, NW>::BLOCKS)) moe_wgmma16(
     if (spans > 1) rows.stage(R + S::RAW, 1);
     cp_async_commit();
     float acc[NW][32] = {};
-    for (int s = 0; s < steps; s++) {
+    auto step = [&](int s, u32 (&a)[NW][4][4], const u32 (&previous)[NW][4][4]) {
         if (s % SS == 0) {
             cp_async_wait<1>();
             __syncwarp();
         }
-        // Fresh each step: ptxas then keeps the registers step s - 1's wgmmas read apart from this decode (a pair of
-        // arrays reused by alternate steps made it serialise the wgmmas, C7513).
-        u32 a[NW][4][4];
 #pragma unroll
         for (int n = 0; n < NW; n++) frag.template decode<O>(R + (s / SS & 1) * S::RAW, n, s, a[n]);
         cp_async_wait<0>();
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the copies and zeros, to the tensor cores
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        wg_keep(previous);
         __syncthreads();
         const u8* Bs = B + (s & 1) * TILE;
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -205,7 +214,14 @@ __global__ void __launch_bounds__(128, (WgPlan<Q, NW>::BLOCKS)) moe_wgmma16(
         if (s + 1 < steps) copy_b(s + 1);
         if ((s + 1) % SS == 0 && (s + 1) / SS + 1 < spans) rows.stage(R + ((s + 1) / SS + 1 & 1) * S::RAW, (s + 1) / SS + 1);
         cp_async_commit();
+    };
+    u32 a0[NW][4][4], a1[NW][4][4] = {};  // the A fragments of even and odd steps
+    int s = 0;
+    for (; s + 1 < steps; s += 2) {
+        step(s, a0, a1);
+        step(s + 1, a1, a0);
     }
+    if (s < steps) step(s, a0, a1);
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 #pragma unroll
     for (int n = 0; n < NW; n++) wg_settle(acc[n]);
