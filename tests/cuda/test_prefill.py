@@ -252,6 +252,30 @@ def test_rope_to16_is_the_inverse_rope_then_the_scaled_rounding(cuda_backend, ha
 
 
 # 8 whole groups of 8; a tail of 5 past them; a view 4 bytes into its buffer (no 16-byte accesses); NaNs among them
+@pytest.mark.parametrize("half", ["f16", "bf16"])
+def test_to16_k64_writes_the_same_bits_in_the_wgmma_operand_order(cuda_backend, half, rng):
+    """With ``k64`` (moe_wgmma16's operands), to16 writes the bits it writes without, column o = 16t + 4q + 2h + e of
+    every 64 at position 16q + 8h + 2t + e, so that thread t of a quad finds its A fragments' columns 16t .. 16t + 15
+    (four 4-byte stores of pairs a thread); rows that are not a multiple of 64 are refused."""
+    import cupy as cp
+    from ds4_backend_cuda.prefill import to16
+
+    from ds4_core.errors import BackendError
+
+    x = cp.asarray((rng.standard_normal((7, 192)) * 5.0).astype(np.float32))
+    plain, alpha_beta = to16(x, half)
+    ordered, alpha_beta_k64 = to16(x, half, k64=True)
+    o = np.arange(64)
+    position = (o >> 2 & 3) * 16 + (o >> 1 & 1) * 8 + (o >> 4) * 2 + (o & 1)
+    assert sorted(position) == list(range(64))
+    want = np.empty((7 * 3, 64), dtype=np.uint16)
+    want[:, position] = cp.asnumpy(plain).reshape(-1, 64)
+    np.testing.assert_array_equal(cp.asnumpy(ordered).reshape(-1, 64), want)
+    np.testing.assert_array_equal(cp.asnumpy(alpha_beta_k64), cp.asnumpy(alpha_beta))
+    with pytest.raises(BackendError, match="multiple of 64"):
+        to16(x[:, :100].copy(), half, k64=True)
+
+
 @pytest.mark.parametrize(("n", "offset", "nan"), [(4096 * 16, 0, False), (64 + 5, 0, False), (1003, 1, False),
                                                  (777, 0, True)])
 @pytest.mark.parametrize("half", ["f16", "bf16"])

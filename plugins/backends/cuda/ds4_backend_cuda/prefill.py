@@ -192,18 +192,21 @@ def dequantize16(raw: Any, qtype: str, ncols: int, half: str, out: Any, matrix_r
             np.uint64(0) if experts is None else experts, _i64(out_stride), out))
 
 
-def to16(x: Any, half: str) -> tuple[Any, Any]:
+def to16(x: Any, half: str, k64: bool = False) -> tuple[Any, Any]:
     """``x`` (float32, contiguous) as 16-bit ``half`` times one power of two s; -> (bits, device ``[1/s, 0]``).
 
     s brings ``max|x|`` into [2^13, 2^14): in fp16 nothing overflows and values down to 2^-27 of the largest stay
-    normal numbers. The pair is the ``alpha, beta`` of a GEMM that undoes s.
+    normal numbers. The pair is the ``alpha, beta`` of a GEMM that undoes s. ``k64``: each 64 values of a row in
+    ``moe_wgmma16``'s operand order (``k64_position`` in ``kernels/prefill.cu``; rows of a multiple of 64).
     """
+    if k64 and x.shape[-1] % _MMA_TILE:
+        raise BackendError(f"the k64 order needs rows of a multiple of {_MMA_TILE} values, not {x.shape[-1]}")
     out = cp.empty(x.shape, dtype=cp.uint16)
     alpha_beta, amax = cp.empty(2, dtype=F32), cp.zeros(1, dtype=F32)
     n = x.size
     _shared("amax_abs")((max(1, min(_AMAX_BLOCKS, -(-n // (4 * _THREADS)))),), (_THREADS,), (x, _i64(n), amax))
     _shared(f"to16<{_OUT_TYPE[half]}>")((max(1, -(-n // (8 * _THREADS))),), (_THREADS,),
-                                        (x, _i64(n), amax, out, alpha_beta))
+                                        (x, _i64(n), amax, out, alpha_beta, _i32(k64)))
     return out, alpha_beta
 
 
@@ -490,7 +493,8 @@ def _moe_fused(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, pa
     max_tiles = min(E, rows) + rows // _MMA_TILE  # an expert with c pairs takes ceil(c / 64) <= c / 64 + 1 tiles
     tiles = cp.empty(3 * max_tiles, dtype=cp.int32)
     _shared("moe_tiles")((1,), (1024,), (sorted_ids, _i32(rows), _i32(E), tiles, _i32(max_tiles)))
-    x16, alpha_beta = to16(x, gu_half)
+    k64 = wgmma()  # its operands in the k64 order
+    x16, alpha_beta = to16(x, gu_half, k64)
     none = np.uint64(0)
     h16 = cp.empty((rows, inter), dtype=cp.uint16)
     # A SwiGLU limit bounds |h| by limit², so the gate/up tiles write h in 16 bits at once, scaled by one power of
@@ -507,7 +511,7 @@ def _moe_fused(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, pa
         hs, alpha = none, cp.full(1, 1.0 / s16, dtype=F32)
     else:
         hs, alpha = cp.empty(rows, dtype=F32), cp.ones(1, dtype=F32)
-        _shared(f"rows_to16<{_OUT_TYPE[down_half]}>")((rows,), (_THREADS,), (h, _i32(inter), h16, hs))
+        _shared(f"rows_to16<{_OUT_TYPE[down_half]}>")((rows,), (_THREADS,), (h, _i32(inter), h16, hs, _i32(k64)))
     _tile_kernel(down_exps.qtype, down_half, 1)(
         (D // _MMA_TILE, max_tiles), (128,),
         (down_exps.data, none, _i64(D * down_exps.data.shape[-1]), _i64(down_exps.data.shape[-1]), _i32(D),

@@ -92,34 +92,73 @@ struct Decode32<IQ2_XXS, Half> {
     }
 };
 
-// Q2_K: d and dmin read once for the 32 columns (two 16-value scale groups of one 2-bit plane). A group's four
-// values a * q - o (q = 0 .. 3) are computed and rounded once, and each pair of weights is picked from them by one
-// prmt whose selector its two codes make (nibbles 2q, 2q + 1 of each): about half the instructions of decoding and
-// rounding every weight, the same bits.
+// Columns c .. c + 15 (c a multiple of 16) of the row whose blocks start at base, as O bits: columns c + 8j .. + 7 at
+// out[j] (moe_wgmma16's A fragments).
+template <class Q, class O>
+struct Decode16 {
+    static __device__ __forceinline__ void run(const u8* base, int c, uint4 (&out)[2]) {
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+            out[j] = decode16<Q, O>(base + (c + 8 * j) / Q::QK * Q::BYTES, (c + 8 * j) % Q::QK / 8);
+    }
+};
+
+// Half of an IQ2_XXS group: its head is read once.
+template <>
+struct Decode16<IQ2_XXS, Half> {
+    static __device__ __forceinline__ void run(const u8* base, int c, uint4 (&out)[2]) {
+        const IQ2Half g(IQ2_XXS::head(base + c / IQ2_XXS::QK * IQ2_XXS::BYTES, c % IQ2_XXS::QK / 32));
+        const int k = c % 32 / 8;
+        out[0] = g.part(k);
+        out[1] = g.part(k + 1);
+    }
+};
+
+// Q2_K's columns e0 .. e0 + 15 of block b (e0 % 16 == 0), one scale group: its four values a * q - o (q = 0 .. 3) are
+// computed and rounded once, and each pair of weights is picked from them by one prmt whose selector its two codes
+// make (nibbles 2q, 2q + 1 of each): about half the instructions of decoding and rounding every weight, the same
+// bits. d and dmin: the block's scales.
+template <class O>
+__device__ __forceinline__ void q2k_group16(const u8* b, int e0, float d, float dmin, uint4 (&out)[2]) {
+    const u8* q = b + 16 + 32 * (e0 / 128) + e0 % 32;
+    const int shift = 2 * (e0 % 128 / 32);
+    const u8 packed = b[e0 / 16];
+    const float a = d * (float)(packed & 0xF), o = dmin * (float)(packed >> 4);
+    const u32 lo = O::from2(-o, fmaf(a, 1.f, -o)), hi = O::from2(fmaf(a, 2.f, -o), fmaf(a, 3.f, -o));
+#pragma unroll
+    for (int k = 0; k < 2; k++) {
+        u32 pick[4];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const u32 codes = (u32_at(q + 8 * k + 4 * h) >> shift) & 0x03030303u;  // a code a byte
+            pick[2 * h] = __byte_perm(lo, hi, codes * 0x22u + 0x1010u);
+            pick[2 * h + 1] = __byte_perm(lo, hi, (codes >> 16) * 0x22u + 0x1010u);
+        }
+        out[k] = make_uint4(pick[0], pick[1], pick[2], pick[3]);
+    }
+}
+
+// Q2_K: d and dmin read once for the 32 columns (two 16-value scale groups of one 2-bit plane).
 template <class O>
 struct Decode32<Q2_K, O> {
     static __device__ __forceinline__ void run(const u8* base, int c, uint4* out, int swz) {
         const u8* b = base + c / Q2_K::QK * Q2_K::BYTES;
-        const int e0 = c % Q2_K::QK, shift = 2 * (e0 % 128 / 32);
-        const u8* q = b + 16 + 32 * (e0 / 128);
         const float d = half_at(b + 80), dmin = half_at(b + 82);
 #pragma unroll
         for (int g = 0; g < 2; g++) {
-            const u8 packed = b[e0 / 16 + g];
-            const float a = d * (float)(packed & 0xF), o = dmin * (float)(packed >> 4);
-            const u32 lo = O::from2(-o, fmaf(a, 1.f, -o)), hi = O::from2(fmaf(a, 2.f, -o), fmaf(a, 3.f, -o));
-#pragma unroll
-            for (int k = 2 * g; k < 2 * g + 2; k++) {
-                u32 pick[4];
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const u32 codes = (u32_at(q + 8 * k + 4 * h) >> shift) & 0x03030303u;  // a code a byte
-                    pick[2 * h] = __byte_perm(lo, hi, codes * 0x22u + 0x1010u);
-                    pick[2 * h + 1] = __byte_perm(lo, hi, (codes >> 16) * 0x22u + 0x1010u);
-                }
-                out[k ^ swz] = make_uint4(pick[0], pick[1], pick[2], pick[3]);
-            }
+            uint4 v[2];
+            q2k_group16<O>(b, c % Q2_K::QK + 16 * g, d, dmin, v);
+            out[(2 * g) ^ swz] = v[0];
+            out[(2 * g + 1) ^ swz] = v[1];
         }
+    }
+};
+
+template <class O>
+struct Decode16<Q2_K, O> {
+    static __device__ __forceinline__ void run(const u8* base, int c, uint4 (&out)[2]) {
+        const u8* b = base + c / Q2_K::QK * Q2_K::BYTES;
+        q2k_group16<O>(b, c % Q2_K::QK, half_at(b + 80), half_at(b + 82), out);
     }
 };
 
@@ -148,12 +187,25 @@ __device__ __forceinline__ float up_scale(float amax) {
     return ldexpf(1.f, min(14 - e, 126));
 }
 
+// The k64 order of moe_wgmma16's operands: column o = 16t + 4q + 2h + e of each 64 (t, q < 4; h, e < 2) sits at
+// position 16q + 8h + 2t + e. Its A fragments give the thread t of a quad positions 2t, 2t + 1, 2t + 8, 2t + 9 of
+// each 16-wide slice q, so in this order they are the 16 consecutive columns 16t .. 16t + 15, which it decodes
+// whole; the activations (to16, store_tile, rows_to16 with k64) are written in the same order, and the products'
+// sums run over the same pairs.
+__device__ __forceinline__ int k64_position(int o) {
+    return ((o >> 2) & 3) * 16 + ((o >> 1) & 1) * 8 + (o >> 4) * 2 + (o & 1);
+}
+
+// The index of element i (of rows of a multiple of 64) in the k64 order.
+__device__ __forceinline__ long long k64_index(long long i) { return (i & ~63LL) + k64_position((int)(i & 63)); }
+
 // out[i] = x[i] * s as O, s = up_scale(*amax); thread 0 also writes alpha_beta = (1 / s, 0), the GEMM's scalars
 // that undo the scale (cuBLAS in device pointer mode). A thread converts 8 values, with 16-byte loads and a 16-byte
-// store where x and out allow (one value a thread, 2-byte stores, ran at ~1.3 TB/s).
+// store where x and out allow (one value a thread, 2-byte stores, ran at ~1.3 TB/s); k64: in the k64 order (n a
+// multiple of 64), four 4-byte stores of pairs.
 template <class O>
 __global__ void to16(const float* __restrict__ x, long long n, const float* __restrict__ amax,
-                     u16* __restrict__ out, float* __restrict__ alpha_beta) {
+                     u16* __restrict__ out, float* __restrict__ alpha_beta, int k64) {
     const float s = up_scale(*amax);
     const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * 8;
     if (i == 0) {
@@ -164,10 +216,17 @@ __global__ void to16(const float* __restrict__ x, long long n, const float* __re
     if (i + 8 <= n && !((reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(out)) & 15)) {
         const float4 a = reinterpret_cast<const float4*>(x + i)[0], b = reinterpret_cast<const float4*>(x + i)[1];
         const float v[8] = {a.x * s, a.y * s, a.z * s, a.w * s, b.x * s, b.y * s, b.z * s, b.w * s};
-        *reinterpret_cast<uint4*>(out + i) = pack8<O>(v);  // the same rounding as O::from, a pair at a time
+        const uint4 p = pack8<O>(v);  // the same rounding as O::from, a pair at a time
+        if (!k64) {
+            *reinterpret_cast<uint4*>(out + i) = p;
+            return;
+        }
+        const u32 pairs[4] = {p.x, p.y, p.z, p.w};
+#pragma unroll
+        for (int j = 0; j < 4; j++) *reinterpret_cast<u32*>(out + k64_index(i + 2 * j)) = pairs[j];
         return;
     }
-    for (long long j = i; j < n && j < i + 8; ++j) out[j] = (u16)O::from(x[j] * s);
+    for (long long j = i; j < n && j < i + 8; ++j) out[k64 ? k64_index(j) : j] = (u16)O::from(x[j] * s);
 }
 
 // to16 of rows of d values after the inverse RoPE of their trailing 2·half channels (rope_tail's arithmetic; row r
@@ -438,8 +497,9 @@ struct TileRows {
 // The tile kernels' epilogue (128 threads) from the accumulators in shared memory, C[n][token][row] (row stride MMA_CLD): NW = 2
 // stores h = swiglu(alpha * gate, alpha * up) at [(first + m) * ldc + r]: as float32 into out, or with out16 non-null
 // as O times s16 into out16 (the down projection's operand; the caller's s16 keeps |h| <= limit^2 in range); NW = 1
-// writes out[p * ldc + r] = alpha * hs[first + m] * weights[p] * acc, p = pairs[first + m] (hs null: 1).
-template <class O, int NW>
+// writes out[p * ldc + r] = alpha * hs[first + m] * weights[p] * acc, p = pairs[first + m] (hs null: 1). K64: out16's
+// rows in the k64 order (moe_wgmma16's operand).
+template <class O, int NW, bool K64 = false>
 __device__ __forceinline__ void store_tile(const float* C, float a, int r0, int nrows, int first, int cnt,
                                            const int* __restrict__ pairs, float limit, const float* __restrict__ hs,
                                            const float* __restrict__ weights, float* __restrict__ out, int ldc,
@@ -450,11 +510,11 @@ __device__ __forceinline__ void store_tile(const float* C, float a, int r0, int 
         float v = a * C[m * MMA_CLD + r];
         if constexpr (NW == 2) {
             const float h = swiglu1(v, a * C[(MMA_BN + m) * MMA_CLD + r], limit);
-            const long long at = (long long)(first + m) * ldc + r0 + r;
+            const long long at = (long long)(first + m) * ldc + r0;
             if (out16)
-                out16[at] = (u16)O::from(h * s16);
+                out16[at + (K64 ? k64_position(r) : r)] = (u16)O::from(h * s16);
             else
-                out[at] = h;
+                out[at + r] = h;
         } else {
             int p = pairs[first + m];
             out[(long long)p * ldc + r0 + r] = v * (hs ? hs[first + m] : 1.f) * weights[p];
@@ -635,15 +695,16 @@ extern "C" __global__ void moe_tiles(const int* __restrict__ sorted, int n, int 
     }
 }
 
-// out[i, :] = h[i, :] times the row's power of two s as O, hs[i] = 1 / s. One block per row of R floats.
+// out[i, :] = h[i, :] times the row's power of two s as O (k64: in the k64 order, R a multiple of 64), hs[i] = 1 / s.
+// One block per row of R floats.
 template <class O>
-__global__ void rows_to16(const float* __restrict__ h, int R, u16* __restrict__ out, float* __restrict__ hs) {
+__global__ void rows_to16(const float* __restrict__ h, int R, u16* __restrict__ out, float* __restrict__ hs, int k64) {
     __shared__ float shared[32];
     long long row = blockIdx.x;
     const float* src = h + row * R;
     float amax = 0.f;
     for (int c = threadIdx.x; c < R; c += blockDim.x) amax = fmaxf(amax, fabsf(src[c]));
     float s = up_scale(block_max(amax, shared));
-    for (int c = threadIdx.x; c < R; c += blockDim.x) out[row * R + c] = (u16)O::from(src[c] * s);
+    for (int c = threadIdx.x; c < R; c += blockDim.x) out[row * R + (k64 ? k64_index(c) : c)] = (u16)O::from(src[c] * s);
     if (threadIdx.x == 0) hs[row] = 1.f / s;
 }
