@@ -8,13 +8,15 @@ a power of two, whose exponents can leave fp16's range). F32 matrices stay float
 
 Routed experts (:func:`prefill_moe`): the (token, slot) pairs are sorted by expert on the device. When gate and up
 share a format, the tiles are listed on the device too (``moe_tiles``), and one kernel per matrix kind takes a tile
-of up to 64 of an expert's tokens, dequantizes 64 rows of the expert's matrix into shared memory a slice at a time
-and multiplies them on tensor cores: the quantized weights are read once per token tile and no 16-bit copy is
-written. On compute capability 9.0 that kernel is ``moe_wgmma16`` (``kernels/moe_wgmma.cu``, Hopper's warpgroup MMA,
-built for sm_90a by :func:`.modules.sm90a_module`; ``DS4_CUDA_WGMMA=0`` turns it off), elsewhere ``moe_mma16``
-(``mma.sync``); on Flash's shapes the two gave the same bits. Gate and up go together with SwiGLU applied on the
-way out (in 16 bits at once where a SwiGLU limit bounds it; else float32, then a scale per row); the down kernel
-writes each pair's row times its routing weight; rows are summed per token in a fixed order. Otherwise (gate and up
+of up to 64 of an expert's tokens, dequantizes 64 rows of the expert's matrix a slice at a time and multiplies them
+on tensor cores: the quantized weights are read once per token tile and no 16-bit copy is written. On compute
+capability 9.0 that kernel is ``moe_wgmma16`` (``kernels/moe_wgmma.cu``, Hopper's warpgroup MMA with the weights
+decoded into its register operand, the activations in its k64 order; built for sm_90a by
+:func:`.modules.sm90a_module`; ``DS4_CUDA_WGMMA=0`` turns it off), elsewhere ``moe_mma16`` (``mma.sync`` from tiles
+in shared memory); the two sum in different orders (3.9e-5 of the largest output apart on Flash's shapes). Gate
+and up go together with SwiGLU applied on the way out (in 16 bits at once where a SwiGLU limit bounds it; else
+float32, then a scale per row); the down kernel writes each pair's row times its routing weight; rows are summed per
+token in a fixed order. Otherwise (gate and up
 in different formats) the per-expert counts are read to the host once, and experts, largest first, go in groups
 that fit a scratch budget, each group dequantized to 16 bits once and multiplied with all its tokens by one
 strided-batched cuBLAS GEMM.
