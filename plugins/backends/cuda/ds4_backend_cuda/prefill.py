@@ -16,10 +16,9 @@ decoded into its register operand, the activations in its k64 order; built for s
 in shared memory); the two sum in different orders (3.9e-5 of the largest output apart on Flash's shapes). Gate
 and up go together with SwiGLU applied on the way out (in 16 bits at once where a SwiGLU limit bounds it; else
 float32, then a scale per row); the down kernel writes each pair's row times its routing weight; rows are summed per
-token in a fixed order. Otherwise (gate and up
-in different formats) the per-expert counts are read to the host once, and experts, largest first, go in groups
-that fit a scratch budget, each group dequantized to 16 bits once and multiplied with all its tokens by one
-strided-batched cuBLAS GEMM.
+token in a fixed order. Otherwise (gate and up in different formats) the per-expert counts are read to the host
+once, and experts, largest first, go in groups that fit a scratch budget, each group dequantized to 16 bits once and
+multiplied with all its tokens by one strided-batched cuBLAS GEMM.
 """
 
 from __future__ import annotations
