@@ -334,20 +334,24 @@ __device__ __forceinline__ void hc_split_norm_body(
 }
 
 // A decode step's entry (its few blocks take every register they need) and a prefill's (two blocks a
-// multiprocessor: 128 registers and a few spills, against one block of 167 registers, whose tokens went in waves):
-// the same body under two launch bounds.
-#define HC_SPLIT_NORM_ENTRY(name, bounds)                                                                            \
-    extern "C" __global__ void __launch_bounds__ bounds name(                                                        \
-            const float* __restrict__ part, int ld, int slices, int K, float norm_eps,                               \
-            const float* __restrict__ scale, const float* __restrict__ base, int iters, float eps,                   \
-            float* __restrict__ pre, float* __restrict__ post, float* __restrict__ comb, const float* __restrict__ S, \
-            int D, const float* __restrict__ w, float* __restrict__ out, int T) {                                   \
-        grid_wait();                                                                                                 \
-        hc_split_norm_body(part, ld, slices, K, norm_eps, scale, base, iters, eps, pre, post, comb, S, D, w, out, T); \
-    }
-HC_SPLIT_NORM_ENTRY(hc_split_norm, (HC_NORM_THREADS))
-HC_SPLIT_NORM_ENTRY(hc_split_norm_rows, (HC_NORM_THREADS, 2))
-#undef HC_SPLIT_NORM_ENTRY
+// multiprocessor: 128 registers and a few spills, against one block of 167 registers, whose tokens went in waves).
+extern "C" __global__ void __launch_bounds__(HC_NORM_THREADS) hc_split_norm(
+        const float* __restrict__ part, int ld, int slices, int K, float norm_eps,
+        const float* __restrict__ scale, const float* __restrict__ base, int iters, float eps, float* __restrict__ pre,
+        float* __restrict__ post, float* __restrict__ comb, const float* __restrict__ S, int D,
+        const float* __restrict__ w, float* __restrict__ out, int T) {
+    grid_wait();
+    hc_split_norm_body(part, ld, slices, K, norm_eps, scale, base, iters, eps, pre, post, comb, S, D, w, out, T);
+}
+
+extern "C" __global__ void __launch_bounds__(HC_NORM_THREADS, 2) hc_split_norm_rows(
+        const float* __restrict__ part, int ld, int slices, int K, float norm_eps,
+        const float* __restrict__ scale, const float* __restrict__ base, int iters, float eps, float* __restrict__ pre,
+        float* __restrict__ post, float* __restrict__ comb, const float* __restrict__ S, int D,
+        const float* __restrict__ w, float* __restrict__ out, int T) {
+    grid_wait();
+    hc_split_norm_body(part, ld, slices, K, norm_eps, scale, base, iters, eps, pre, post, comb, S, D, w, out, T);
+}
 
 // out[t, d] = sum_i w[t, i] · S[t, i, d]: the collapse of the streams S [T, n, D] with weights w [T, n] (also the
 // weighted sum of a token's expert outputs);
