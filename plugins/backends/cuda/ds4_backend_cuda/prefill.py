@@ -10,10 +10,10 @@ Routed experts (:func:`prefill_moe`): the (token, slot) pairs are sorted by expe
 share a format, the tiles are listed on the device too (``moe_tiles``), and one kernel per matrix kind takes a tile
 of up to 64 of an expert's tokens, dequantizes 64 rows of the expert's matrix a slice at a time and multiplies them
 on tensor cores: the quantized weights are read once per token tile and no 16-bit copy is written. On compute
-capability 9.0 that kernel is ``moe_wgmma16`` (``kernels/moe_wgmma.cu``, Hopper's warpgroup MMA with the weights
-decoded into its register operand, the activations in its k64 order; built for sm_90a by
-:func:`.modules.sm90a_module`; ``DS4_CUDA_WGMMA=0`` turns it off), elsewhere ``moe_mma16`` (``mma.sync`` from tiles
-in shared memory); the two sum in different orders (3.9e-5 of the largest output apart on Flash's shapes). Gate
+capability 9.0 that kernel is ``moe_wgmma16`` (Hopper's warpgroup MMA, built for sm_90a by
+:func:`.modules.sm90a_module`; ``DS4_CUDA_WGMMA=0`` turns it off), elsewhere ``moe_mma16`` (``mma.sync``): one body
+(``kernels/moe_tile.cu``) that decodes the weights into the MMAs' register operand, with the activations in its k64
+order. Gate
 and up go together with SwiGLU applied on the way out (in 16 bits at once where a SwiGLU limit bounds it; else
 float32, then a scale per row); the down kernel writes each pair's row times its routing weight; rows are summed per
 token in a fixed order. Otherwise (gate and up in different formats) the per-expert counts are read to the host
@@ -57,7 +57,7 @@ _GEMM_DEFAULT = -1
 _POINTER_MODE_DEVICE = 1
 _OUT_TYPE = {"f16": "Half", "bf16": "BHalf"}
 _THREADS = 256
-_MMA_TILE = 64  # rows and tokens of a moe_mma16 tile, and its column step (MMA_BM, MMA_BN, MMA_BK in prefill.cu)
+_MMA_TILE = 64  # rows and tokens of an expert tile, and its column step (MMA_BM, MMA_BN, MMA_BK in moe_tile.cu)
 _TILE_ALIGN = 128  # tile rows rounded down to a multiple of this (cuBLAS tile shapes)
 
 _AMAX_BLOCKS = 1024  # blocks of amax_abs: enough to stream a chunk's activations at full bandwidth
@@ -83,8 +83,9 @@ def _module(qtype: str) -> Any:
     """quant.cu + prefill.cu with the 16-bit dequantizer of ``qtype`` and the shared prefill kernels."""
     names = [f"dequant16<{qtype}, {o}>" for o in _OUT_TYPE.values()]
     names += [f"moe_mma16<{qtype}, {o}, {nw}>" for o in _OUT_TYPE.values() for nw in (1, 2)]
+    names += [f"tile_smem<{qtype}, {nw}>" for nw in (1, 2)]
     names += [f"{k}<{o}>" for k in ("to16", "rope_to16", "swiglu16", "rows_to16") for o in _OUT_TYPE.values()]
-    module = cp.RawModule(code=program("quant.cu", "prefill.cu"), options=("--std=c++17",),
+    module = cp.RawModule(code=program("quant.cu", "prefill.cu", "moe_tile.cu"), options=("--std=c++17",),
                           name_expressions=names)
     if qtype == "IQ2_XXS":
         _fill_iq2xxs_tables(module)
@@ -103,11 +104,11 @@ def _fill_iq2xxs_tables(module: Any) -> None:
 
 @functools.cache
 def _wgmma_module(qtype: str) -> Any:
-    """quant.cu + prefill.cu + moe_wgmma.cu for sm_90a with ``moe_wgmma16`` of ``qtype``."""
+    """quant.cu + prefill.cu + moe_tile.cu + moe_wgmma.cu for sm_90a with ``moe_wgmma16`` of ``qtype``."""
     names = [f"moe_wgmma16<{qtype}, {o}, {nw}>" for o in _OUT_TYPE.values() for nw in (1, 2)]
-    names += [f"moe_wgmma16_smem<{qtype}, {nw}>" for nw in (1, 2)]
+    names += [f"tile_smem<{qtype}, {nw}>" for nw in (1, 2)]
     try:
-        module = sm90a_module(program("quant.cu", "prefill.cu", "moe_wgmma.cu"), names)
+        module = sm90a_module(program("quant.cu", "prefill.cu", "moe_tile.cu", "moe_wgmma.cu"), names)
     except RuntimeError as error:
         raise BackendError(f"{error}; {WGMMA_ENV}=0 runs the routed experts on the portable kernels") from error
     if qtype == "IQ2_XXS":
@@ -122,23 +123,21 @@ def wgmma() -> bool:
 
 
 @functools.cache
-def _wgmma_kernel(qtype: str, half: str, nw: int) -> Any:
-    """``moe_wgmma16`` for ``nw`` matrices of ``qtype`` with ``half`` tiles, launched with the dynamic shared memory
-    it declares (``moe_wgmma16_smem``, read once)."""
-    module = _wgmma_module(qtype)
+def _tile_kernel_of(qtype: str, half: str, nw: int, core: str) -> Any:
+    """``moe_wgmma16`` (``core`` "wgmma") or ``moe_mma16`` for ``nw`` matrices of ``qtype`` with ``half`` operands,
+    launched with the dynamic shared memory they declare (``tile_smem``, read once)."""
+    module = _wgmma_module(qtype) if core == "wgmma" else _module(qtype)
     smem = cp.zeros(1, dtype=cp.int32)
-    module.get_function(f"moe_wgmma16_smem<{qtype}, {nw}>")((1,), (1,), (smem,))
+    module.get_function(f"tile_smem<{qtype}, {nw}>")((1,), (1,), (smem,))
     nbytes = int(smem.get()[0])
-    kernel = module.get_function(f"moe_wgmma16<{qtype}, {_OUT_TYPE[half]}, {nw}>")
+    kernel = module.get_function(f"moe_{core}16<{qtype}, {_OUT_TYPE[half]}, {nw}>")
     cp.cuda.driver.funcSetAttribute(kernel.ptr, cp.cuda.driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
     return functools.partial(kernel, shared_mem=nbytes)
 
 
 def _tile_kernel(qtype: str, half: str, nw: int) -> Any:
-    """The routed experts' tile kernel for ``nw`` matrices of ``qtype`` with ``half`` tiles."""
-    if wgmma():
-        return _wgmma_kernel(qtype, half, nw)
-    return _kernel(qtype, f"moe_mma16<{qtype}, {_OUT_TYPE[half]}, {nw}>")
+    """The routed experts' tile kernel for ``nw`` matrices of ``qtype`` with ``half`` operands."""
+    return _tile_kernel_of(qtype, half, nw, "wgmma" if wgmma() else "mma")
 
 
 def _grid_selectors(grid: np.ndarray) -> np.ndarray:
@@ -198,7 +197,7 @@ def to16(x: Any, half: str, k64: bool = False) -> tuple[Any, Any]:
 
     s brings ``max|x|`` into [2^13, 2^14): in fp16 nothing overflows and values down to 2^-27 of the largest stay
     normal numbers. The pair is the ``alpha, beta`` of a GEMM that undoes s. ``k64``: each 64 values of a row in
-    ``moe_wgmma16``'s operand order (``k64_position`` in ``kernels/prefill.cu``; rows of a multiple of 64).
+    the expert tile kernels' operand order (``k64_position`` in ``kernels/prefill.cu``; rows of a multiple of 64).
     """
     if k64 and x.shape[-1] % _MMA_TILE:
         raise BackendError(f"the k64 order needs rows of a multiple of {_MMA_TILE} values, not {x.shape[-1]}")
@@ -486,7 +485,7 @@ def _fused(gate_exps: Weight, up_exps: Weight, down_exps: Weight) -> bool:
 
 def _moe_fused(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, pairs: Any, sorted_ids: Any, k: int,
                weights: Any, limit: float, ypairs: Any) -> None:
-    """The routed experts by ``moe_mma16`` tiles of up to 64 tokens of one expert (see the module docstring); the
+    """The routed experts by tiles of up to 64 tokens of one expert (see the module docstring); the
     tiles are made on the device (``moe_tiles``) from the pairs' expert ids in sorted order, ``sorted_ids``."""
     E, inter, D = gate_exps.shape
     gu_half, down_half = half_of(gate_exps.qtype), half_of(down_exps.qtype)
@@ -494,8 +493,7 @@ def _moe_fused(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, pa
     max_tiles = min(E, rows) + rows // _MMA_TILE  # an expert with c pairs takes ceil(c / 64) <= c / 64 + 1 tiles
     tiles = cp.empty(3 * max_tiles, dtype=cp.int32)
     _shared("moe_tiles")((1,), (1024,), (sorted_ids, _i32(rows), _i32(E), tiles, _i32(max_tiles)))
-    k64 = wgmma()  # its operands in the k64 order
-    x16, alpha_beta = to16(x, gu_half, k64)
+    x16, alpha_beta = to16(x, gu_half, k64=True)  # the tile kernels' operand order
     none = np.uint64(0)
     h16 = cp.empty((rows, inter), dtype=cp.uint16)
     # A SwiGLU limit bounds |h| by limit², so the gate/up tiles write h in 16 bits at once, scaled by one power of
@@ -512,7 +510,7 @@ def _moe_fused(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, pa
         hs, alpha = none, cp.full(1, 1.0 / s16, dtype=F32)
     else:
         hs, alpha = cp.empty(rows, dtype=F32), cp.ones(1, dtype=F32)
-        _shared(f"rows_to16<{_OUT_TYPE[down_half]}>")((rows,), (_THREADS,), (h, _i32(inter), h16, hs, _i32(k64)))
+        _shared(f"rows_to16<{_OUT_TYPE[down_half]}>")((rows,), (_THREADS,), (h, _i32(inter), h16, hs))
     _tile_kernel(down_exps.qtype, down_half, 1)(
         (D // _MMA_TILE, max_tiles), (128,),
         (down_exps.data, none, _i64(D * down_exps.data.shape[-1]), _i64(down_exps.data.shape[-1]), _i32(D),

@@ -33,18 +33,6 @@ __device__ __forceinline__ uint4 decode16(const u8* b, int part) {
     return pack8<O>(v);
 }
 
-// Columns c .. c + 31 (c a multiple of 32) of the row whose blocks start at base, as O bits: columns c + 8j .. + 7
-// at out[j ^ swz] (swz < 4: a swizzled tile's order of 16-byte chunks). Four decode16s; for IQ2_XXS to fp16, whose
-// 32 columns are one group, the group's head is read once.
-template <class Q, class O>
-struct Decode32 {
-    static __device__ __forceinline__ void run(const u8* base, int c, uint4* out, int swz) {
-#pragma unroll 1
-        for (int j = 0; j < 4; j++)
-            out[j ^ swz] = decode16<Q, O>(base + (c + 8 * j) / Q::QK * Q::BYTES, (c + 8 * j) % Q::QK / 8);
-    }
-};
-
 // IQ2_XXS's grid rows as the four prmt selectors of IQ2Half::part (16 bits each, pair q at bits 16q), filled from the
 // host: the selector of a pair of codes a, b (0, 1, 2 for 8, 25, 43) picks fp16 bytes from (lo, hi) = (8s | 25s, 43s).
 // One 8-byte lookup a row; computing each selector from 2-bit codes took four instructions a pair.
@@ -82,18 +70,8 @@ __device__ __forceinline__ uint4 decode16<IQ2_XXS, Half>(const u8* b, int part) 
     return IQ2Half(IQ2_XXS::head(b, part / 4)).part(part % 4);
 }
 
-// For 32 columns, one group: its head and magnitudes are read once.
-template <>
-struct Decode32<IQ2_XXS, Half> {
-    static __device__ __forceinline__ void run(const u8* base, int c, uint4* out, int swz) {
-        const IQ2Half g(IQ2_XXS::head(base + c / IQ2_XXS::QK * IQ2_XXS::BYTES, c % IQ2_XXS::QK / 32));
-#pragma unroll
-        for (int k = 0; k < 4; k++) out[k ^ swz] = g.part(k);
-    }
-};
-
 // Columns c .. c + 15 (c a multiple of 16) of the row whose blocks start at base, as O bits: columns c + 8j .. + 7 at
-// out[j] (moe_wgmma16's A fragments).
+// out[j] (the routed experts' A fragments, kernels/moe_tile.cu).
 template <class Q, class O>
 struct Decode16 {
     static __device__ __forceinline__ void run(const u8* base, int c, uint4 (&out)[2]) {
@@ -114,51 +92,29 @@ struct Decode16<IQ2_XXS, Half> {
     }
 };
 
-// Q2_K's columns e0 .. e0 + 15 of block b (e0 % 16 == 0), one scale group: its four values a * q - o (q = 0 .. 3) are
-// computed and rounded once, and each pair of weights is picked from them by one prmt whose selector its two codes
-// make (nibbles 2q, 2q + 1 of each): about half the instructions of decoding and rounding every weight, the same
-// bits. d and dmin: the block's scales.
-template <class O>
-__device__ __forceinline__ void q2k_group16(const u8* b, int e0, float d, float dmin, uint4 (&out)[2]) {
-    const u8* q = b + 16 + 32 * (e0 / 128) + e0 % 32;
-    const int shift = 2 * (e0 % 128 / 32);
-    const u8 packed = b[e0 / 16];
-    const float a = d * (float)(packed & 0xF), o = dmin * (float)(packed >> 4);
-    const u32 lo = O::from2(-o, fmaf(a, 1.f, -o)), hi = O::from2(fmaf(a, 2.f, -o), fmaf(a, 3.f, -o));
-#pragma unroll
-    for (int k = 0; k < 2; k++) {
-        u32 pick[4];
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const u32 codes = (u32_at(q + 8 * k + 4 * h) >> shift) & 0x03030303u;  // a code a byte
-            pick[2 * h] = __byte_perm(lo, hi, codes * 0x22u + 0x1010u);
-            pick[2 * h + 1] = __byte_perm(lo, hi, (codes >> 16) * 0x22u + 0x1010u);
-        }
-        out[k] = make_uint4(pick[0], pick[1], pick[2], pick[3]);
-    }
-}
-
-// Q2_K: d and dmin read once for the 32 columns (two 16-value scale groups of one 2-bit plane).
-template <class O>
-struct Decode32<Q2_K, O> {
-    static __device__ __forceinline__ void run(const u8* base, int c, uint4* out, int swz) {
-        const u8* b = base + c / Q2_K::QK * Q2_K::BYTES;
-        const float d = half_at(b + 80), dmin = half_at(b + 82);
-#pragma unroll
-        for (int g = 0; g < 2; g++) {
-            uint4 v[2];
-            q2k_group16<O>(b, c % Q2_K::QK + 16 * g, d, dmin, v);
-            out[(2 * g) ^ swz] = v[0];
-            out[(2 * g + 1) ^ swz] = v[1];
-        }
-    }
-};
-
+// Q2_K's columns c .. c + 15 (c % 16 == 0), one scale group: its four values a * q - o (q = 0 .. 3) are computed and
+// rounded once, and each pair of weights is picked from them by one prmt whose selector its two codes make (nibbles
+// 2q, 2q + 1 of each): about half the instructions of decoding and rounding every weight, the same bits.
 template <class O>
 struct Decode16<Q2_K, O> {
     static __device__ __forceinline__ void run(const u8* base, int c, uint4 (&out)[2]) {
         const u8* b = base + c / Q2_K::QK * Q2_K::BYTES;
-        q2k_group16<O>(b, c % Q2_K::QK, half_at(b + 80), half_at(b + 82), out);
+        const int e0 = c % Q2_K::QK, shift = 2 * (e0 % 128 / 32);
+        const u8* q = b + 16 + 32 * (e0 / 128) + e0 % 32;
+        const u8 packed = b[e0 / 16];
+        const float a = half_at(b + 80) * (float)(packed & 0xF), o = half_at(b + 82) * (float)(packed >> 4);
+        const u32 lo = O::from2(-o, fmaf(a, 1.f, -o)), hi = O::from2(fmaf(a, 2.f, -o), fmaf(a, 3.f, -o));
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            u32 pick[4];
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const u32 codes = (u32_at(q + 8 * k + 4 * h) >> shift) & 0x03030303u;  // a code a byte
+                pick[2 * h] = __byte_perm(lo, hi, codes * 0x22u + 0x1010u);
+                pick[2 * h + 1] = __byte_perm(lo, hi, (codes >> 16) * 0x22u + 0x1010u);
+            }
+            out[k] = make_uint4(pick[0], pick[1], pick[2], pick[3]);
+        }
     }
 };
 
@@ -187,11 +143,11 @@ __device__ __forceinline__ float up_scale(float amax) {
     return ldexpf(1.f, min(14 - e, 126));
 }
 
-// The k64 order of moe_wgmma16's operands: column o = 16t + 4q + 2h + e of each 64 (t, q < 4; h, e < 2) sits at
-// position 16q + 8h + 2t + e. Its A fragments give the thread t of a quad positions 2t, 2t + 1, 2t + 8, 2t + 9 of
-// each 16-wide slice q, so in this order they are the 16 consecutive columns 16t .. 16t + 15, which it decodes
-// whole; the activations (to16, store_tile, rows_to16 with k64) are written in the same order, and the products'
-// sums run over the same pairs.
+// The k64 order of the routed experts' tile operands (kernels/moe_tile.cu): column o = 16t + 4q + 2h + e of each 64
+// (t, q < 4; h, e < 2) sits at position 16q + 8h + 2t + e. Their A fragments give the thread t of a quad positions
+// 2t, 2t + 1, 2t + 8, 2t + 9 of each 16-wide slice q, so in this order they are the 16 consecutive columns
+// 16t .. 16t + 15, which it decodes whole; the activations (to16 with k64, rows_to16, store_tile) are written in the
+// same order, and the products' sums run over the same pairs.
 __device__ __forceinline__ int k64_position(int o) {
     return ((o >> 2) & 3) * 16 + ((o >> 1) & 1) * 8 + (o >> 4) * 2 + (o & 1);
 }
@@ -380,331 +336,16 @@ extern "C" __global__ void sum_pairs(const float* __restrict__ ypairs, const int
     reinterpret_cast<float4*>(out + t * D)[c] = s;
 }
 
-// Routed experts without 16-bit weight copies: each block dequantizes MMA_BM rows of one expert's matrix into
-// shared memory, MMA_BK columns at a time, and multiplies them on tensor cores with up to MMA_BN tokens of that
-// expert (mma.sync m16n8k16, fp32 accumulation; inline PTX, so no header beyond NVRTC's own), so quantized weights
-// are read once per token tile and never written back.
-//
-// The column loop is software-pipelined with cp.async (sm_80+), which copies global memory into shared memory
-// without holding registers: while the warps multiply step s, the activation tile of step s + 1 (into the other of
-// two B tiles) and, when step s + 1 opens a new span of blocks, the raw weight blocks of that span (a shared
-// staging area) are already on their way, so the decode of step s + 1 reads shared memory rather than waiting on
-// L2 or DRAM. A format whose staging area would push the block past 48 KB of static shared memory (Q4_K, Q6_K,
-// F16, BF16 and F32 with two matrices) decodes straight from global memory as before; its activations are still
-// prefetched. Only the time of the loads changes: the same bytes reach Q::decode and the MMAs run in the same order.
-
-#define MMA_BM 64
-#define MMA_BN 64
-#define MMA_BK 64
-#define MMA_LD (MMA_BK + 8)   // shared row stride in 16-bit values: 144 bytes keeps ldmatrix conflict-free
-#define MMA_CLD (MMA_BM + 4)  // accumulator tile row stride in floats (token-major)
-
-// Copy N (4, 8 or 16) bytes global -> shared asynchronously; 16-byte copies skip L1 (the weights stream).
-template <int N>
-__device__ __forceinline__ void cp_async(void* dst, const void* src) {
-    u32 addr = (u32)__cvta_generic_to_shared(dst);
-    if constexpr (N == 16)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(addr), "l"(src) : "memory");
-    else
-        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(addr), "l"(src), "n"(N) : "memory");
-}
-
-// Wait for this thread's cp.async copies (a __syncthreads after it makes every thread's copies visible).
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-
-// The staging of raw weight blocks in the routed experts' tile kernels (moe_mma16, moe_wgmma16) for NW matrices of
-// format Q: a span is the columns whose blocks are copied at once (one MMA_BK step, or a whole block when QK > MMA_BK:
-// the next copy then comes QK / MMA_BK steps later), WIN the bytes of a row's blocks in a span. Copies of CH bytes
-// keep each byte's address modulo CH, at least the alignment a block of BYTES bytes can rely on (blocks lie back to
-// back), so Q::decode's wide loads stay aligned in shared memory; a row's window starts up to CH - 1 bytes after a CH
-// boundary, hence LD. Whole CH-byte chunks never pass the end of a buffer whose end is CH-aligned (device allocations
-// are).
-template <class Q, int NW, int CH_>
-struct StagePlan {
-    static constexpr int SPAN = Q::QK > MMA_BK ? Q::QK : MMA_BK;
-    static constexpr int WIN = SPAN / Q::QK * Q::BYTES;
-    static constexpr int CH = CH_;
-    static constexpr int LD = (WIN + 2 * CH - 2) / CH * CH, RAW = NW * MMA_BM * LD;
-};
-
-// Shared memory of moe_mma16<Q, *, NW>: NW A tiles and two B tiles of TILE 16-bit values, then the staging area,
-// copied in 16-byte chunks where it still fits beside them in static shared memory's 48 KB (mma_chunk); STAGED: it
-// fits at all. BLOCKS: the blocks per SM the registers are capped for (128 or 80 a thread), as many as shared memory
-// admits on sm_90 when staged: other blocks' decodes and MMAs fill this block's barriers (Q4_K spills a few bytes
-// under the cap; without one ptxas takes 150-255 registers and 2-3 blocks fit).
-template <class Q, int NW>
-constexpr int mma_chunk() {
-    return (NW + 2) * MMA_BM * MMA_LD * 2 + StagePlan<Q, NW, 16>::RAW <= 48 * 1024 || Q::BYTES % 16 == 0 ? 16
-           : Q::BYTES % 8 == 0                                                                           ? 8
-                                                                                                         : 4;
-}
-
-template <class Q, int NW>
-struct MmaPlan : StagePlan<Q, NW, mma_chunk<Q, NW>()> {
-    using Base = StagePlan<Q, NW, mma_chunk<Q, NW>()>;
-    static constexpr int TILE = MMA_BM * MMA_LD;  // 16-bit values of an A or B tile
-    static constexpr int OPS = (NW + 2) * TILE * 2, ACC = NW * MMA_BN * MMA_CLD * 4;
-    static constexpr bool STAGED = OPS + Base::RAW <= 48 * 1024;
-    static constexpr int USED = OPS + (STAGED ? Base::RAW : 0), SMEM = USED > ACC ? USED : ACC;
-    static constexpr int BLOCKS = NW == 2 ? 4 : 6;
-};
-
-// One thread's rows of a tile kernel: it stages the raw windows of row drow of each of the NW matrices (two threads a
-// row, part 0 and 1, copy alternate chunks) into the staging area R and decodes that row's columns dc .. dc + 31 of
-// each step. arow[n]: the row's first block in matrix n (w0 or w1).
-template <class Q, int NW, class S>
-struct TileRows {
-    const u8* arow[NW];
-    int drow, part, dc;
-
-    __device__ __forceinline__ TileRows(const u8* w0, const u8* w1, long long row_offset, int drow_, int part_)
-        : drow(drow_), part(part_), dc(32 * part_) {
-        arow[0] = w0 + row_offset;
-        if constexpr (NW == 2) arow[1] = w1 + row_offset;
-    }
-
-    // Start the cp.async copies of span p's windows into R.
-    __device__ __forceinline__ void stage(u8* R, int p) const {
-        if constexpr (S::STAGED) {
-#pragma unroll
-            for (int n = 0; n < NW; n++) {
-                const u8* win = arow[n] + (long long)p * S::WIN;
-                int lead = (int)(reinterpret_cast<unsigned long long>(win) & (S::CH - 1));
-                const u8* from = win - lead;
-                u8* to = R + (n * MMA_BM + drow) * S::LD;
-#pragma unroll
-                for (int ch = part; ch < S::LD / S::CH; ch += 2)
-                    if (ch * S::CH < lead + S::WIN) cp_async<S::CH>(to + ch * S::CH, from + ch * S::CH);
-            }
-        }
-    }
-
-    // Step s's columns of matrix n as O bits (R: the staged windows of the step's span): columns dc + 8j .. + 7 at
-    // out[j ^ swz].
-    template <class O>
-    __device__ __forceinline__ void decode(const u8* R, int n, int s, uint4* out, int swz) const {
-        const int col = s * MMA_BK + dc;
-        if constexpr (S::STAGED) {
-            const u8* win = arow[n] + (long long)(col / S::SPAN) * S::WIN;
-            const u8* base = R + (n * MMA_BM + drow) * S::LD + (int)(reinterpret_cast<unsigned long long>(win) & (S::CH - 1));
-            Decode32<Q, O>::run(base, col % S::SPAN, out, swz);
-        } else {
-            Decode32<Q, O>::run(arow[n], col, out, swz);
-        }
-    }
-};
-
-// The tile kernels' epilogue (128 threads) from the accumulators in shared memory, C[n][token][row] (row stride MMA_CLD): NW = 2
-// stores h = swiglu(alpha * gate, alpha * up) at [(first + m) * ldc + r]: as float32 into out, or with out16 non-null
-// as O times s16 into out16 (the down projection's operand; the caller's s16 keeps |h| <= limit^2 in range); NW = 1
-// writes out[p * ldc + r] = alpha * hs[first + m] * weights[p] * acc, p = pairs[first + m] (hs null: 1). K64: out16's
-// rows in the k64 order (moe_wgmma16's operand).
-template <class O, int NW, bool K64 = false>
-__device__ __forceinline__ void store_tile(const float* C, float a, int r0, int nrows, int first, int cnt,
-                                           const int* __restrict__ pairs, float limit, const float* __restrict__ hs,
-                                           const float* __restrict__ weights, float* __restrict__ out, int ldc,
-                                           u16* __restrict__ out16, float s16) {
-    for (int id = threadIdx.x; id < MMA_BN * MMA_BM; id += 128) {
-        int m = id / MMA_BM, r = id % MMA_BM;
-        if (m >= cnt || r0 + r >= nrows) continue;
-        float v = a * C[m * MMA_CLD + r];
-        if constexpr (NW == 2) {
-            const float h = swiglu1(v, a * C[(MMA_BN + m) * MMA_CLD + r], limit);
-            const long long at = (long long)(first + m) * ldc + r0;
-            if (out16)
-                out16[at + (K64 ? k64_position(r) : r)] = (u16)O::from(h * s16);
-            else
-                out[at + r] = h;
-        } else {
-            int p = pairs[first + m];
-            out[(long long)p * ldc + r0 + r] = v * (hs ? hs[first + m] : 1.f) * weights[p];
-        }
-    }
-}
-
-// Four 8x8 16-bit matrices from shared memory; lane l gives the address of row l % 8 of matrix l / 8.
-__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const u16* row) {
-    u32 addr = (u32)__cvta_generic_to_shared(row);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-
-// d += a (16x16, row-major) * b (16x8, column-major), fp32 accumulators; O picks fp16 or bf16 operands.
+// out[i, :] = h[i, :] times the row's power of two s as O, in the k64 order (R a multiple of 64: the down tiles'
+// operand), hs[i] = 1 / s. One block per row of R floats.
 template <class O>
-__device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1);
-
-template <>
-__device__ __forceinline__ void mma16816<Half>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                 "{%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-template <>
-__device__ __forceinline__ void mma16816<BHalf>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                 "{%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// One expert, one token tile: NW = 2 multiplies the gate and up matrices (w0, w1), NW = 1 multiplies w0; the
-// results leave through store_tile. tiles[3 * blockIdx.y ..] = (expert, first sorted pair, token count <= MMA_BN).
-// Token m's activations are row gather ? pairs[first + m] / k : first + m of x16 [*, ncols] (16-bit bits).
-// ncols % MMA_BK == 0 and a block of the format never straddles an MMA_BK step (QK a multiple or divisor of MMA_BK).
-// Four warps, each 32 rows x 32 tokens of the tile. Thread tid copies column unit tid % 8 of tokens tid / 8 + 16i
-// (i < 4) of the activations; it stages the raw windows of row tid / 2 of each matrix and decodes that row's columns
-// 32 * (tid % 2) .. + 31 (Decode32: a format reads its scales once for them).
-// Step s: wait for its copies, barrier (they are visible, and the MMAs of s - 1 are done with A), decode into A,
-// barrier (A is complete, the staging area free), start the copies of s + 1, multiply step s.
-template <class Q, class O, int NW>
-__global__ void __launch_bounds__(128, (MmaPlan<Q, NW>::BLOCKS)) moe_mma16(
-        const u8* __restrict__ w0, const u8* __restrict__ w1, long long expert_bytes, long long row_bytes, int nrows,
-        int ncols, const int* __restrict__ tiles, const u16* __restrict__ x16, const int* __restrict__ pairs, int k,
-        int gather, const float* __restrict__ alpha, float limit, const float* __restrict__ hs,
-        const float* __restrict__ weights, float* __restrict__ out, int ldc, u16* __restrict__ out16, float s16) {
-    static_assert(MMA_BM == 64 && MMA_BN == 64 && MMA_BK == 64, "the thread maps of the copies and the decode");
-    using S = MmaPlan<Q, NW>;
-    constexpr int TILE = S::TILE;
-    __shared__ __align__(16) u8 smem[S::SMEM];
-    u16* A = reinterpret_cast<u16*>(smem);  // NW tiles [MMA_BM][MMA_LD], then two B tiles [MMA_BN][MMA_LD]
-    u16* B = A + NW * TILE;                 // step s reads B + (s & 1) * TILE
-    u8* R = smem + S::OPS;  // STAGED: the raw window of (matrix n, row r) at (n * MMA_BM + r) * S::LD
-    float* C = reinterpret_cast<float*>(smem);  // after the loop: NW tiles [MMA_BN][MMA_CLD]
-    int e = tiles[3 * blockIdx.y], first = tiles[3 * blockIdx.y + 1], cnt = tiles[3 * blockIdx.y + 2];
-    if (cnt == 0) return;  // a tile slot past the last tile (moe_tiles)
-    int r0 = blockIdx.x * MMA_BM, tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
-    int wr = 32 * (warp >> 1), wc = 32 * (warp & 1);
-    constexpr int UNITS = MMA_BN * MMA_BK / 8 / 128;  // 8-value activation units a thread copies a step
-    const int c = 8 * (tid % 8);
-    const u16* bsrc[UNITS];
-    const TileRows<Q, NW, S> rows(w0, w1, (long long)e * expert_bytes + (long long)min(r0 + tid / 2, nrows - 1) * row_bytes,
-                                  tid / 2, tid % 2);
-#pragma unroll
-    for (int i = 0; i < UNITS; i++) {
-        int row = tid / 8 + 16 * i;
-        long long src = row < cnt ? (gather ? pairs[first + row] / k : first + row) : -1;
-        bsrc[i] = src < 0 ? nullptr : x16 + src * ncols + c;
-    }
-    // Start the copies of step s: its activations into B tile s & 1 (padding tokens: zeros, stored directly) and,
-    // at the first step of a span, the raw windows.
-    auto start_copies = [&](int s) {
-        u16* b = B + (s & 1) * TILE;
-#pragma unroll
-        for (int i = 0; i < UNITS; i++) {
-            uint4* dst = reinterpret_cast<uint4*>(b + (tid / 8 + 16 * i) * MMA_LD + c);
-            if (bsrc[i]) cp_async<16>(dst, bsrc[i] + s * MMA_BK);
-            else *dst = make_uint4(0, 0, 0, 0);
-        }
-        if (s % (S::SPAN / MMA_BK) == 0) rows.stage(R, s / (S::SPAN / MMA_BK));
-    };
-    float acc[NW][2][4][4] = {};
-    // ldmatrix rows of this lane: A (16x16 at rows wr + 16i) and B (two 8-token tiles at wc + 16j).
-    int a_row = wr + (lane & 7) + 8 * ((lane >> 3) & 1), a_col = 8 * (lane >> 4);
-    int b_row = wc + (lane & 7) + 8 * (lane >> 4), b_col = 8 * ((lane >> 3) & 1);
-    const int steps = ncols / MMA_BK;
-    start_copies(0);
-    for (int s = 0; s < steps; s++) {
-        cp_async_wait_all();
-        __syncthreads();
-#pragma unroll
-        for (int n = 0; n < NW; n++)
-            rows.template decode<O>(R, n, s, reinterpret_cast<uint4*>(A + (n * MMA_BM + rows.drow) * MMA_LD + rows.dc), 0);
-        __syncthreads();
-        if (s + 1 < steps) start_copies(s + 1);
-        const u16* Bs = B + (s & 1) * TILE;
-#pragma unroll
-        for (int kk = 0; kk < MMA_BK; kk += 16) {
-            u32 b[2][4];  // b[j]: tokens wc + 16j .. +15 as two 16x8 operands (regs 0-1, 2-3)
-#pragma unroll
-            for (int j = 0; j < 2; j++) ldmatrix_x4(b[j], Bs + (b_row + 16 * j) * MMA_LD + kk + b_col);
-#pragma unroll
-            for (int n = 0; n < NW; n++)
-#pragma unroll
-                for (int i = 0; i < 2; i++) {
-                    u32 a[4];
-                    ldmatrix_x4(a, A + (n * MMA_BM + a_row + 16 * i) * MMA_LD + kk + a_col);
-#pragma unroll
-                    for (int j = 0; j < 4; j++) mma16816<O>(acc[n][i][j], a, b[j / 2][2 * (j % 2)], b[j / 2][2 * (j % 2) + 1]);
-                }
-        }
-    }
-    __syncthreads();  // every warp is done with A and B before C overlays them
-    // Fragment (n, i, j): rows wr + 16i + g (+8 for regs 2-3), tokens wc + 8j + 2t (+1 for odd regs).
-    int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int n = 0; n < NW; n++)
-#pragma unroll
-        for (int i = 0; i < 2; i++)
-#pragma unroll
-            for (int j = 0; j < 4; j++)
-#pragma unroll
-                for (int q = 0; q < 4; q++)
-                    C[(n * MMA_BN + wc + 8 * j + 2 * t + (q & 1)) * MMA_CLD + wr + 16 * i + g + 8 * (q >> 1)] =
-                        acc[n][i][j][q];
-    __syncthreads();
-    store_tile<O, NW>(C, *alpha, r0, nrows, first, cnt, pairs, limit, hs, weights, out, ldc, out16, s16);
-}
-
-// The first index i of sorted[0 .. n) with sorted[i] >= v (sorted ascending).
-__device__ __forceinline__ int lower_bound(const int* __restrict__ sorted, int n, int v) {
-    int lo = 0, hi = n;
-    while (lo < hi) {
-        const int mid = (lo + hi) / 2;
-        if (sorted[mid] < v) lo = mid + 1;
-        else hi = mid;
-    }
-    return lo;
-}
-
-// moe_mma16's tiles from the pairs' expert ids sorted[0 .. n) (ascending; ids >= E, slots without an expert, last):
-// tiles[3 i ..] = (expert, first sorted pair, tokens <= MMA_BN), each expert's pairs in tiles of MMA_BN, experts in
-// order; slots from the last tile up to max_tiles get no tokens. On the device, so a prefill's MoE reads nothing back
-// to the host (the counts were a host synchronisation per layer). One block of at most 1024 threads.
-extern "C" __global__ void moe_tiles(const int* __restrict__ sorted, int n, int E, int* __restrict__ tiles,
-                                     int max_tiles) {
-    __shared__ int scan[1024];
-    int base = 0;  // tiles of the experts before this round's
-    for (int e0 = 0; e0 < E; e0 += blockDim.x) {
-        const int e = e0 + threadIdx.x;
-        const int first = e < E ? lower_bound(sorted, n, e) : 0;
-        const int cnt = e < E ? lower_bound(sorted, n, e + 1) - first : 0;
-        const int own = (cnt + MMA_BN - 1) / MMA_BN;
-        scan[threadIdx.x] = own;
-        __syncthreads();
-        for (int off = 1; off < (int)blockDim.x; off <<= 1) {  // inclusive prefix sum
-            const int add = (int)threadIdx.x >= off ? scan[threadIdx.x - off] : 0;
-            __syncthreads();
-            scan[threadIdx.x] += add;
-            __syncthreads();
-        }
-        const int t0 = base + scan[threadIdx.x] - own;
-        for (int i = 0; i < own; i++) {
-            tiles[3 * (t0 + i)] = e;
-            tiles[3 * (t0 + i) + 1] = first + MMA_BN * i;
-            tiles[3 * (t0 + i) + 2] = min(MMA_BN, cnt - MMA_BN * i);
-        }
-        base += scan[blockDim.x - 1];
-        __syncthreads();
-    }
-    for (int i = base + threadIdx.x; i < max_tiles; i += blockDim.x) {
-        tiles[3 * i] = 0;
-        tiles[3 * i + 1] = 0;
-        tiles[3 * i + 2] = 0;
-    }
-}
-
-// out[i, :] = h[i, :] times the row's power of two s as O (k64: in the k64 order, R a multiple of 64), hs[i] = 1 / s.
-// One block per row of R floats.
-template <class O>
-__global__ void rows_to16(const float* __restrict__ h, int R, u16* __restrict__ out, float* __restrict__ hs, int k64) {
+__global__ void rows_to16(const float* __restrict__ h, int R, u16* __restrict__ out, float* __restrict__ hs) {
     __shared__ float shared[32];
     long long row = blockIdx.x;
     const float* src = h + row * R;
     float amax = 0.f;
     for (int c = threadIdx.x; c < R; c += blockDim.x) amax = fmaxf(amax, fabsf(src[c]));
     float s = up_scale(block_max(amax, shared));
-    for (int c = threadIdx.x; c < R; c += blockDim.x) out[row * R + (k64 ? k64_index(c) : c)] = (u16)O::from(src[c] * s);
+    for (int c = threadIdx.x; c < R; c += blockDim.x) out[row * R + k64_index(c)] = (u16)O::from(src[c] * s);
     if (threadIdx.x == 0) hs[row] = 1.f / s;
 }
