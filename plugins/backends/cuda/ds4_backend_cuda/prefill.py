@@ -13,10 +13,9 @@ on tensor cores: the quantized weights are read once per token tile and no 16-bi
 capability 9.0 that kernel is ``moe_wgmma16`` (Hopper's warpgroup MMA, built for sm_90a by
 :func:`.modules.sm90a_module`; ``DS4_CUDA_WGMMA=0`` turns it off), elsewhere ``moe_mma16`` (``mma.sync``): one body
 (``kernels/moe_tile.cu``) that decodes the weights into the MMAs' register operand, with the activations in its k64
-order. Gate
-and up go together with SwiGLU applied on the way out (in 16 bits at once where a SwiGLU limit bounds it; else
-float32, then a scale per row); the down kernel writes each pair's row times its routing weight; rows are summed per
-token in a fixed order. Otherwise (gate and up in different formats) the per-expert counts are read to the host
+order. Gate and up go together with SwiGLU applied on the way out (in 16 bits at once where a SwiGLU limit bounds it;
+else float32, then a scale per row); the down kernel writes each pair's row times its routing weight; rows are summed
+per token in a fixed order. Otherwise (gate and up in different formats) the per-expert counts are read to the host
 once, and experts, largest first, go in groups that fit a scratch budget, each group dequantized to 16 bits once and
 multiplied with all its tokens by one strided-batched cuBLAS GEMM.
 """
