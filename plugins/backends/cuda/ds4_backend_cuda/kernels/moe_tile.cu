@@ -314,13 +314,12 @@ __device__ __forceinline__ void moe_tile16(MOE_TILE_PARAMS) {
     if (cnt == 0) return;  // a tile slot past the last tile (moe_tiles)
     const int r0 = blockIdx.x * MMA_BM, tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
     constexpr int UNITS = MMA_BN * MMA_BK / 8 / 128;  // 8-value activation units a thread copies a step
-    const u16* bsrc[UNITS];
-    int bdst[UNITS];
+    int bsrc[UNITS], bdst[UNITS];  // a unit's first element in x16 (-1: a padding token) and its offset in a B tile
 #pragma unroll
     for (int i = 0; i < UNITS; i++) {
         const int u = tid + 128 * i, token = u % 8 + 8 * (u / 64), k8 = u / 8 % 8;
         const long long src = token < cnt ? (gather ? pairs[first + token] / k : first + token) : -1;
-        bsrc[i] = src < 0 ? nullptr : x16 + src * ncols + 8 * k8;
+        bsrc[i] = src < 0 ? -1 : (int)src * ncols + 8 * k8;  // < 2^31: a pass's pairs times a row
         bdst[i] = wg_offset(token, k8);
     }
     const long long expert_offset = (long long)e * expert_bytes;
@@ -333,7 +332,7 @@ __device__ __forceinline__ void moe_tile16(MOE_TILE_PARAMS) {
 #pragma unroll
         for (int i = 0; i < UNITS; i++) {
             uint4* dst = reinterpret_cast<uint4*>(b + bdst[i]);
-            if (bsrc[i]) cp_async<16>(dst, bsrc[i] + s * MMA_BK);
+            if (bsrc[i] >= 0) cp_async<16>(dst, x16 + bsrc[i] + s * MMA_BK);
             else *dst = make_uint4(0, 0, 0, 0);
         }
     };
