@@ -130,7 +130,11 @@ def _tile_kernel_of(qtype: str, half: str, nw: int, core: str) -> Any:
     module.get_function(f"tile_smem<{qtype}, {nw}>")((1,), (1,), (smem,))
     nbytes = int(smem.get()[0])
     kernel = module.get_function(f"moe_{core}16<{qtype}, {_OUT_TYPE[half]}, {nw}>")
-    cp.cuda.driver.funcSetAttribute(kernel.ptr, cp.cuda.driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
+    if core == "wgmma":  # a driver function of the sm_90a cubin
+        cp.cuda.driver.funcSetAttribute(kernel.ptr, cp.cuda.driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                        nbytes)
+    else:  # a cupy.RawKernel
+        kernel.max_dynamic_shared_size_bytes = nbytes
     return functools.partial(kernel, shared_mem=nbytes)
 
 
