@@ -285,3 +285,53 @@ def test_norm_linear_folds_the_rms_norm_into_the_int8_gemv(cuda_backend, monkeyp
     xs = cuda_backend.asarray(x)
     np.testing.assert_array_equal(cuda_backend.to_numpy(cu.norm_linear(xs, norm, 1e-6, w)),
                                   cuda_backend.to_numpy(ops.linear(ops.rms_norm(xs, norm, 1e-6), w)))
+
+
+# 4 groups of 64 rows: one pass a block; 4 groups of 4096 rows: several passes a block on GPUs of up to 170 SMs.
+@pytest.mark.parametrize("qtype", INT8_TYPES)
+@pytest.mark.parametrize("groups, rows", [(4, 64), (4, 4096)])
+def test_output_projection_hands_over_the_quantized_activation(cuda_backend, monkeypatch, qtype, groups, rows, rng):
+    """DeepSeek V4's grouped output projection of one token: ``attn_output_a``'s GEMV writes its output quantized and
+    ``attn_output_b``'s reads it, which gives the two launches' result bit for bit (the codes are those the second
+    GEMV would make); two tokens take the composition."""
+    from ds4_backend_cuda import deepseek4_ops as cu
+    from ds4_backend_cuda import ops
+
+    monkeypatch.setenv(ops.INT8_ENV, "1")
+    ncols = 256
+    _, out_a, _ = _pair(cuda_backend, qtype, (groups * rows, ncols), rng)
+    _, out_b, _ = _pair(cuda_backend, qtype, (96, groups * rows), rng)
+    assert ops.writes_activation(qtype, groups * rows, ncols)
+    if groups * rows > 4096:
+        assert int(ops.gemv_launch(out_a.data, qtype, ncols, None, 1, None, groups * ncols, rows)[3][8]) > 1
+    x = cuda_backend.asarray(_activations(rng, 2, groups * ncols).reshape(2, groups, ncols))
+    for t in (slice(0, 1), slice(0, 2)):
+        apart = ops.linear(ops.grouped_linear(x[t], out_a).reshape(t.stop, -1), out_b)
+        np.testing.assert_array_equal(cuda_backend.to_numpy(cu.output_projection(x[t], out_a, out_b)),
+                                      cuda_backend.to_numpy(apart))
+
+
+def test_quantized_activation_refusals(cuda_backend, monkeypatch, rng):
+    """A GEMV that cannot hand over or take a quantized activation says so instead of writing or reading past it."""
+    from ds4_backend_cuda import ops
+
+    monkeypatch.setenv(ops.INT8_ENV, "1")
+    xp = cuda_backend.xp
+    _, w, _ = _pair(cuda_backend, "Q8_0", (64, 1024), rng)
+    x, y = xp.zeros((1, 1024), dtype=np.float32), xp.empty((1, 64), dtype=np.float32)
+    act = xp.empty(ops.act_bytes(1024), dtype=np.uint8)
+    with pytest.raises(ValueError, match="without a norm"):
+        ops.gemv_launch(w.data, "Q8_0", 1024, x, 1, y, int8=True, act_in=act, norm=(xp.ones(1024, np.float32), 1e-6))
+    with pytest.raises(ValueError, match="as 1408 bytes; got 1407"):
+        ops.gemv_launch(w.data, "Q8_0", 1024, x, 1, y, int8=True, act_in=act[:-1])
+    assert ops.writes_activation("Q8_0", 64, 1024)
+    with pytest.raises(ValueError, match="cannot write its 64 rows as a quantized activation of 88 bytes"):
+        ops.gemv_launch(w.data, "Q8_0", 1024, x, 1, y, int8=True, act_out=act)
+    _, wide, _ = _pair(cuda_backend, "Q8_0", (64, 16384), rng)  # 16 chunks a row: its rows are split over warps
+    assert not ops.writes_activation("Q8_0", 64, 16384)
+    with pytest.raises(ValueError, match="cannot write its 64 rows"):
+        ops.gemv_launch(wide.data, "Q8_0", 16384, xp.zeros((1, 16384), np.float32), 1, y, int8=True,
+                        act_out=act[:ops.act_bytes(64)])
+    with pytest.raises(ValueError, match="only the int8 GEMV of one token"):
+        ops.gemv_launch(w.data, "Q8_0", 1024, xp.zeros((2, 1024), np.float32), 2, xp.empty((2, 64), np.float32),
+                        act_in=act)

@@ -66,6 +66,8 @@ _THREADS = 256
 INT8_ENV = "DS4_CUDA_INT8"
 #: Blocks of one row that a warp stages at once in the integer kernels (CHUNK of I8<Q> in quant_int8.cu).
 _CHUNK_BLOCKS_I8 = {"Q8_0": 32, "Q2_K": 4, "IQ2_XXS": 4}
+#: Columns of one int8 activation group: codes with one scale and two half sums (``I8Act`` in quant_int8.cu).
+ACT_GROUP = 32
 
 
 def _i32(v: int) -> np.int32:
@@ -127,10 +129,15 @@ def use_int8(int8: bool | None, qtype: str) -> bool:
     return (int8_enabled() if int8 is None else int8) and qtype in INT8_TYPES
 
 
+def act_bytes(columns: int) -> int:
+    """Bytes of ``columns`` int8 activation columns: codes, half sums and scales (``I8Act`` in quant_int8.cu)."""
+    return columns + columns // 4 + columns // 8
+
+
 def _activation_launch(kernel: Any, columns: int) -> Any:
-    """An integer kernel bound to the dynamic shared memory that holds ``columns`` int8 activation columns (codes,
-    half sums and scales: ``I8Act`` in quant_int8.cu), called like a ``cupy.RawKernel``."""
-    nbytes = columns + columns // 4 + columns // 8
+    """An integer kernel bound to the dynamic shared memory that holds ``columns`` int8 activation columns, called
+    like a ``cupy.RawKernel``."""
+    nbytes = act_bytes(columns)
     if nbytes > kernel.max_dynamic_shared_size_bytes:
         kernel.max_dynamic_shared_size_bytes = nbytes
     return functools.partial(kernel, shared_mem=nbytes)
@@ -145,9 +152,24 @@ def _act_groups(rows_per_block: int, group_rows: int, groups: int) -> int:
     return min(groups, (rows_per_block + group_rows - 2) // group_rows + 1)
 
 
+def _i8_plan(qtype: str, nrows: int, ncols: int) -> tuple[int, int, int]:
+    """(splits, passes, one-pass blocks) of the int8 GEMV of ``nrows`` rows of ``ncols`` columns."""
+    splits = _splits(qtype, nrows, ncols, _CHUNK_BLOCKS_I8[qtype], _WAVES_I8)
+    blocks = -(-nrows // (WARPS_PER_BLOCK // splits * ROWS_PER_WARP))
+    return splits, _passes(blocks) if splits == 1 else 1, blocks
+
+
+def writes_activation(qtype: str, nrows: int, ncols: int) -> bool:
+    """Whether the int8 GEMV of ``nrows`` rows can also write its output as the next GEMV's int8 activation
+    (``act_out`` of :func:`gemv_launch`): each block's rows must be whole groups of :data:`ACT_GROUP`."""
+    return (use_int8(None, qtype) and nrows % ACT_GROUP == 0 and WARPS_PER_BLOCK * ROWS_PER_WARP == ACT_GROUP
+            and _i8_plan(qtype, nrows, ncols)[0] == 1)
+
+
 def gemv_launch(raw: Any, qtype: str, ncols: int, x: Any, ntok: int, y: Any, x_stride: int | None = None,
                 group_rows: int | None = None, *, int8: bool | None = None, segments: tuple[Any, int] | None = None,
-                norm: tuple[Any, float] | None = None) -> tuple[Any, tuple[int, ...], tuple[int, ...], tuple]:
+                norm: tuple[Any, float] | None = None, act_in: Any = None,
+                act_out: Any = None) -> tuple[Any, tuple[int, ...], tuple[int, ...], tuple]:
     """(kernel, grid, block, args) of ``y[t, r] = W[r] . x[t]`` for ``t < ntok <= GEMV_TOKENS``.
 
     ``raw``: ``[R, row bytes]``; ``x``: float32 with token ``t`` at ``x[t * x_stride:]`` (default ``ncols``);
@@ -157,24 +179,33 @@ def gemv_launch(raw: Any, qtype: str, ncols: int, x: Any, ntok: int, y: Any, x_s
     quantizes the activation into int8 blocks of 32 on the way in (``x`` 16-byte aligned). ``segments``: W's
     ``R`` rows lie in several buffers of ``raw``'s row width, ``(table, R)`` from :func:`_segment_table`. ``norm``
     ``(weights, eps)``, the int8 GEMV of one activation only: ``x`` is RMSNormed with those weights on the way in.
+    ``act_in``, the int8 GEMV of one activation without a norm: that activation already quantized (uint8
+    ``[act_bytes(ncols)]``, as an ``act_out`` wrote it), read in place of ``x``. ``act_out``, an int8 GEMV for which
+    :func:`writes_activation` holds: ``y`` is also written there quantized, as the next GEMV's activation.
     """
     nrows = raw.shape[0] if segments is None else segments[1]
     segs = (np.uint64(0), _i32(1)) if segments is None else (segments[0], _i32(segments[0].size // 2))
     if ntok == 1 and use_int8(int8, qtype):
         group_rows = nrows if group_rows is None else group_rows
-        splits = _splits(qtype, nrows, ncols, _CHUNK_BLOCKS_I8[qtype], _WAVES_I8)
-        rows_per_pass = WARPS_PER_BLOCK // splits * ROWS_PER_WARP
-        blocks = -(-nrows // rows_per_pass)
-        passes = _passes(blocks) if splits == 1 else 1
-        groups = _act_groups(rows_per_pass * passes, group_rows, -(-nrows // group_rows))
+        splits, passes, blocks = _i8_plan(qtype, nrows, ncols)
+        groups = _act_groups(WARPS_PER_BLOCK // splits * ROWS_PER_WARP * passes, group_rows, -(-nrows // group_rows))
         if norm is not None and groups != 1:
             raise ValueError("a GEMV that folds an RMSNorm in reads one activation, not a block-diagonal projection")
+        if act_in is not None and (norm is not None or group_rows != nrows or act_in.nbytes != act_bytes(ncols)):
+            raise ValueError(f"a quantized activation is read by a GEMV of one activation without a norm, as "
+                             f"{act_bytes(ncols)} bytes; got {act_in.nbytes} bytes")
+        if act_out is not None and (not writes_activation(qtype, nrows, ncols) or act_out.nbytes != act_bytes(nrows)):
+            raise ValueError(f"this GEMV cannot write its {nrows} rows as a quantized activation of "
+                             f"{act_bytes(nrows)} bytes (see writes_activation)")
+        null = np.uint64(0)
         args = (raw, _i64(raw.shape[1]), _i32(nrows), _i32(ncols), x, _i32(group_rows), y, _i32(splits),
-                _i32(passes), *segs, np.uint64(0) if norm is None else norm[0], F32(0 if norm is None else norm[1]))
-        kernel = _activation_launch(quant_kernel("gemv1_i8", qtype), groups * ncols)
+                _i32(passes), *segs, null if norm is None else norm[0], F32(0 if norm is None else norm[1]),
+                null if act_in is None else act_in, null if act_out is None else act_out)
+        kernel = _activation_launch(quant_kernel("gemv1_i8", qtype), 0 if act_in is not None else groups * ncols)
         return kernel, (-(-blocks // passes),), (32 * WARPS_PER_BLOCK,), args
-    if norm is not None:
-        raise ValueError("only the int8 GEMV of one token folds an RMSNorm in")
+    if norm is not None or act_in is not None or act_out is not None:
+        raise ValueError("only the int8 GEMV of one token folds an RMSNorm in or reads or writes a quantized "
+                         "activation")
     splits = _splits(qtype, nrows, ncols)
     rows_per_block = WARPS_PER_BLOCK // splits * ROWS_PER_WARP
     kernel = quant_kernel("gemv1" if ntok == 1 else "gemv8", qtype)

@@ -415,8 +415,8 @@ class Attention:
 
     def _output(self, ops: Ops, o: Any) -> Any:
         """The grouped output projection of the attention's heads ``o [T, H, hd]`` -> ``[T, D]``."""
-        return self._output_b(ops, ops.grouped_linear(o.reshape(o.shape[0], self.cfg.o_groups, -1),
-                                                      self.attn_output_a))
+        return fused(ops, "output_projection", compose_output_projection)(
+            o.reshape(o.shape[0], self.cfg.o_groups, -1), self.attn_output_a, self.attn_output_b)
 
     def _output_b(self, ops: Ops, low: Any) -> Any:
         """The grouped projection's ``low [T, G, rows]`` through ``attn_output_b`` -> ``[T, D]``."""
@@ -457,6 +457,13 @@ class MoE:
                                                                             self.k, self.scale, fixed)
         return ops.moe_experts(x, self.ffn_gate_exps, self.ffn_up_exps, self.ffn_down_exps, idx, weights,
                                self.limit)
+
+
+def compose_output_projection(ops: Ops, x: Any, out_a: Any, out_b: Any) -> Any:
+    """The grouped output projection: ``x [T, G, in]`` through the block-diagonal ``out_a``, then ``out_b`` ->
+    ``[T, D]``."""
+    low = ops.grouped_linear(x, out_a)
+    return ops.linear(low.reshape(low.shape[0], -1), out_b)
 
 
 def compose_moe_gate_route(ops: Ops, x: Any, gate: Any, bias: Any, k: int, scale: float,

@@ -26,6 +26,7 @@ from .model import (
     compose_norm_rope,
     compose_norm_rope_attention,
     compose_norm_rope_window_attention,
+    compose_output_projection,
     compose_shared_expert,
 )
 from .qat import fp4_hadamard_round, fp8_kv_round
@@ -113,6 +114,12 @@ def norm_rope_window_attention(q: Any, eps: float, kv: Any, first: int, window: 
                                               positions, inv_freq, out_a, groups)
 
 
+def output_projection(x: Any, out_a: Any, out_b: Any) -> Any:
+    """The attention's grouped output projection (:func:`.model.compose_output_projection` over the core numpy ops),
+    the reference of backends that pass the intermediate between the two projections in their own form."""
+    return compose_output_projection(_NUMPY_OPS, x, out_a, out_b)
+
+
 DEEPSEEK4_OPS: dict[str, Callable] = {
     "fp8_kv_round": fp8_kv_round,
     "fp4_hadamard_round": fp4_hadamard_round,
@@ -127,4 +134,5 @@ DEEPSEEK4_OPS: dict[str, Callable] = {
     "norm_rope_attention": norm_rope_attention,
     "moe_gate_route": moe_gate_route,
     "norm_rope_window_attention": norm_rope_window_attention,
+    "output_projection": output_projection,
 }

@@ -68,6 +68,36 @@ __device__ __forceinline__ I8Act quantize_shared(const float* __restrict__ x, in
     return {q, s, d, 1.f};
 }
 
+// An int8 activation of n columns that an earlier kernel wrote to global memory in I8Act's layout (codes, half
+// sums, scales), read in place: no quantization and no block barrier before the first dot product.
+__device__ __forceinline__ I8Act global_activation(const u8* __restrict__ act, int n) {
+    grid_wait();  // the weights' first loads are in flight (pdl.cuh); act is the previous kernel's output
+    return {reinterpret_cast<const signed char*>(act), reinterpret_cast<const float2*>(act + n),
+            reinterpret_cast<const float*>(act + n + n / 4), 1.f};
+}
+
+// Values v[r .. r + 31] (lane l holds v[r + l]) quantized as quantize_shared quantizes 32 columns, into act, the
+// I8Act layout of n columns: the next GEMV then reads codes its own prologue would have made, bit for bit (the same
+// amax, the same rounding, the half sums added in the same order: pairs, then quads, eights and sixteens). By one
+// warp; r a multiple of 32.
+__device__ __forceinline__ void write_group(float v, int r, int n, u8* __restrict__ act) {
+    const int lane = threadIdx.x & 31;
+    float amax = fabsf(v), sum = v;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+#pragma unroll
+    for (int o = 1; o <= 8; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    const float other = __shfl_xor_sync(0xffffffffu, sum, 16);
+    u32 code = (u32)(__float2int_rn(v * (amax > 0.f ? 127.0f / amax : 0.f)) & 255) << (8 * (lane & 3));
+    code |= __shfl_xor_sync(0xffffffffu, code, 1);
+    code |= __shfl_xor_sync(0xffffffffu, code, 2);
+    if ((lane & 3) == 0) *reinterpret_cast<u32*>(act + r + lane) = code;
+    if (lane == 0) {
+        reinterpret_cast<float2*>(act + n)[r / 32] = make_float2(sum, other);
+        reinterpret_cast<float*>(act + n + n / 4)[r / 32] = amax / 127.0f;
+    }
+}
+
 __device__ __forceinline__ float half_at2(const u8* p) {  // p is 2-byte aligned
     return __half2float(__ushort_as_half(u16_at(p)));
 }
@@ -270,12 +300,14 @@ __device__ __forceinline__ I8Act block_activation(const float* __restrict__ x, i
 // GEMV_WARPS warps: GEMV_WARPS / KS groups of GEMV_ROWS rows, each row group split over KS warps by chunks and summed
 // in a fixed order; with KS = 1 the block makes P passes, each warp streaming its P row groups back to back (P = 1
 // when KS > 1). Dynamic shared memory: the I8Act of the activations of the x groups a block's rows touch. W's rows as
-// row_at finds them.
+// row_at finds them. act_in (not null; one x group, no norm): the activation's I8Act in global memory instead, as an
+// earlier act_out wrote it (no shared memory then). act_out (not null; KS = 1, nrows a multiple of 32): y is also
+// written there quantized, as the I8Act of nrows columns, each block its 32-row passes (write_group).
 template <class Q>
 __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_i8(
         const u8* __restrict__ w, long long row_bytes, int nrows, int ncols, const float* __restrict__ x,
         int group_rows, float* __restrict__ y, int KS, int P, const long long* __restrict__ segs, int nsegs,
-        const float* __restrict__ norm, float eps) {
+        const float* __restrict__ norm, float eps, const u8* __restrict__ act_in, u8* __restrict__ act_out) {
     using D = WarpDot<I8<Q>, GEMV_ROWS, 1>;
     __shared__ uint4 stage[GEMV_WARPS][D::SLOTS];
     __shared__ float partial[GEMV_WARPS][GEMV_ROWS];
@@ -298,6 +330,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_i8(
         },
         ngroups, ncols,
         [&] {
+            if (act_in) return global_activation(act_in, ncols);
             const I8Act act = block_activation(x + (long long)g0 * ncols, ncols, g1 - g0 + 1, norm, eps);
             scale = act.scale;
             return act;
@@ -315,14 +348,19 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_i8(
                 }
             }
         });
-    if (KS == 1) return;
-    __syncthreads();
-    const int r0 = row0(0);
-    if (ks == 0 && lane < GEMV_ROWS) {
-        float s = 0.f;
-        for (int i = 0; i < KS; i++) s += partial[warp + i][lane];
-        if (r0 + lane < nrows) y[r0 + lane] = s * scale;
+    if (KS > 1) {
+        __syncthreads();
+        const int r0 = row0(0);
+        if (ks == 0 && lane < GEMV_ROWS) {
+            float s = 0.f;
+            for (int i = 0; i < KS; i++) s += partial[warp + i][lane];
+            if (r0 + lane < nrows) y[r0 + lane] = s * scale;
+        }
     }
+    if (!act_out) return;
+    __syncthreads();  // the block's rows of y are written and visible to its threads
+    const int end = min(first + P * span, nrows);
+    for (int r = first + 32 * warp; r < end; r += 32 * GEMV_WARPS) write_group(y[r + lane], r, nrows, act_out);
 }
 
 // Routed-expert GEMV on int8 activations: y[p, r] = sum_c W_{idx[p]}[r, c] x[p / x_div, c]; a negative id
