@@ -64,8 +64,11 @@ def main() -> None:
     gate, up = (Weight(n, "IQ2_XXS", (E, F, D), device_blocks("IQ2_XXS", E * F, D)) for n in ("gate", "up"))
     down = Weight("down", "Q2_K", (E, D, F), device_blocks("Q2_K", E * D, F))
     h_out, y_out = cp.empty((PAIRS, F), cp.float32), cp.empty((PAIRS, D), cp.float32)
-    gate_up = [call(*ops.moe_gate_up_launch(gate, up, s, x, PAIRS, 0.0, h_out, int8=True)) for s in expert_sets]
-    report("routed gate/up IQ2_XXS", graph_us(gate_up), 2 * PAIRS * gate.data.nbytes // E, roof)
+    act = cp.zeros(ops.act_bytes(D), cp.uint8)  # a handed-over activation (its values do not matter here)
+    for name, a in (("routed gate/up IQ2_XXS", None), ("routed gate/up, handed", act)):
+        gate_up = [call(*ops.moe_gate_up_launch(gate, up, s, x, PAIRS, 0.0, h_out, int8=True, act_in=a))
+                   for s in expert_sets]
+        report(name, graph_us(gate_up), 2 * PAIRS * gate.data.nbytes // E, roof)
     downs = [call(*ops.moe_gemv_launch(down, s, h, 1, y_out, int8=True)) for s in expert_sets]
     report("routed down Q2_K", graph_us(downs), PAIRS * down.data.nbytes // E, roof)
     del gate, up, down
@@ -75,6 +78,11 @@ def main() -> None:
         yv = cp.empty((1, rows), cp.float32)
         launches = [call(*ops.gemv_launch(m, "Q8_0", cols, xv, 1, yv, int8=True)) for m in copies]
         report(name, graph_us(launches), copies[0].nbytes, roof)
+    latents = [device_blocks("Q8_0", 1536, D) for _ in range(8)]  # attn_q_a and attn_kv, 6.6 MB
+    yl = cp.empty((1, 1536), cp.float32)
+    for name, a in (("latents Q8_0", None), ("latents, handed", act)):
+        launches = [call(*ops.gemv_launch(m, "Q8_0", D, x, 1, yl, int8=True, act_in=a)) for m in latents]
+        report(name, graph_us(launches), latents[0].nbytes, roof)
     output_projection(roof)
 
 

@@ -335,3 +335,59 @@ def test_quantized_activation_refusals(cuda_backend, monkeypatch, rng):
     with pytest.raises(ValueError, match="only the int8 GEMV of one token"):
         ops.gemv_launch(w.data, "Q8_0", 1024, xp.zeros((2, 1024), np.float32), 2, xp.empty((2, 64), np.float32),
                         act_in=act)
+
+
+@pytest.mark.parametrize("qtype", INT8_TYPES)
+def test_hc_split_norm_hands_its_row_over_quantized(cuda_backend, monkeypatch, qtype, rng):
+    """A decode step's sub-layer input (``hc_split_norm``, DeepSeek V4's ``hc_pre_norm`` and ``hc_post_pre_norm``)
+    comes with its int8 activation: the codes and scales the GEMVs' own quantization makes, which the projections
+    of one input, the routed experts' gate/up and the shared expert's read in its place, bit for bit the results of
+    the same row without it. A row derived from it, or made with int8 off, carries none."""
+    from ds4_backend_cuda import deepseek4_ops as cu
+    from ds4_backend_cuda import hc_ops as hc
+    from ds4_backend_cuda import ops
+
+    monkeypatch.setenv(ops.INT8_ENV, "1")
+    xp, host = cuda_backend.asarray, cuda_backend.to_numpy
+    n, D, E, F = 4, 1024, 4, 256
+    S = xp(_activations(rng, n, D)[None])
+    fn, sc, base, norm = (_pair(cuda_backend, q, shape, rng)[1] for q, shape in (
+        ("F16", ((2 + n) * n, n * D)), ("F32", (3,)), ("F32", ((2 + n) * n,)), ("F32", (D,))))
+    x, post, comb = hc.hc_pre_norm(S, fn, sc, base, 20, 1e-6, 1e-6, norm)
+    x2 = hc.hc_post_pre_norm(S, (xp(_activations(rng, 1, D)),), post, comb, fn, sc, base, 20, 1e-6, 1e-6, norm)[1]
+    gate, up = (_pair(cuda_backend, qtype, (E, F, D), rng)[1] for _ in range(2))
+    down = _pair(cuda_backend, qtype, (E, D, F), rng)[1]
+    shared = [_pair(cuda_backend, qtype, shape, rng)[1] for shape in ((F, D), (F, D), (D, F))]
+    idx, weights = xp(np.array([[3, 0, 2]], np.int32)), xp(np.array([[0.5, 0.3, 0.2]], np.float32))
+    for row in (x, x2):
+        assert isinstance(row, ops.Int8Rows) and ops.int8_of(row, D) is not None
+        act = host(row.int8)
+        q, d = _quantize(host(row))
+        np.testing.assert_array_equal(act[:D].view(np.int8), q[0])
+        np.testing.assert_array_equal(act[D + D // 4:].view(np.float32), d[0])
+        halves = host(row).reshape(-1, 2, 16).astype(np.float64).sum(axis=-1)
+        np.testing.assert_allclose(act[D:D + D // 4].view(np.float32).reshape(-1, 2), halves, rtol=1e-5, atol=1e-5)
+        plain = row.copy()
+        assert ops.int8_of(plain, D) is None and ops.int8_of(row.reshape(1, D), D) is None
+        for got, want in (
+                (ops.linears(row, shared[:2]), ops.linears(plain, shared[:2])),
+                ((ops.moe_experts(row, gate, up, down, idx, weights, 0.0),),
+                 (ops.moe_experts(plain, gate, up, down, idx, weights, 0.0),)),
+                ((cu.shared_expert(row, *shared, 0.0),), (cu.shared_expert(plain, *shared, 0.0),))):
+            for g, w in zip(got, want, strict=True):
+                np.testing.assert_array_equal(host(g), host(w))
+                assert np.isfinite(host(g)).all() and np.abs(host(g)).max() > 0
+    monkeypatch.setenv(ops.INT8_ENV, "0")
+    assert not isinstance(hc.hc_pre_norm(S, fn, sc, base, 20, 1e-6, 1e-6, norm)[0], ops.Int8Rows)
+
+
+def test_gate_up_refuses_a_quantized_activation_of_the_wrong_size(cuda_backend, rng):
+    from ds4_backend_cuda import ops
+
+    _, gate, _ = _pair(cuda_backend, "Q8_0", (1, 40, 512), rng)
+    x, h = cuda_backend.xp.zeros((2, 512), np.float32), cuda_backend.xp.empty((2, 40), np.float32)
+    act = cuda_backend.xp.empty(ops.act_bytes(512), np.uint8)
+    with pytest.raises(ValueError, match="one row of 704 bytes; got 704 bytes for 2 rows"):
+        ops.moe_gate_up_launch(gate, gate, None, x, 1, 0.0, h, int8=True, act_in=act)
+    with pytest.raises(ValueError, match="only the int8 kernels"):
+        ops.moe_gate_up_launch(gate, gate, None, x[:1], 1, 0.0, h[:1], int8=False, act_in=act)

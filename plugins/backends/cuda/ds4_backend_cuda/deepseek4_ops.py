@@ -20,6 +20,7 @@ from .ops import (
     act_bytes,
     gemv_launch,
     grouped_linear,
+    int8_of,
     linear,
     linears,
     moe_gate_up_launch,
@@ -138,12 +139,13 @@ def shared_expert(x: Any, gate: Weight, up: Weight, down: Weight, limit: float) 
     """``down(swiglu(gate x, up x))`` for ``x [T, D]``, as ``ds4_model_deepseek4``'s ``compose_shared_expert``: the
     gate and up projections and the SwiGLU in one launch (the routed experts' ``moe_gate_up`` kernel, with expert 0
     for every token) when the two share a format and few tokens come."""
+    act = int8_of(x, gate.shape[1]) if use_int8(None, gate.qtype) else None
     x = cp.ascontiguousarray(x, dtype=F32)
     if x.shape[0] > MOE_PAIR_LIMIT or gate.qtype != up.qtype or gate.shape != up.shape or gate.shape[1] % 8:
         return linear(swiglu(*linears(x, (gate, up)), limit), down)
     h = cp.empty((x.shape[0], gate.shape[0]), dtype=F32)
     one = [Weight(w.name, w.qtype, (1, *w.shape), w.data) for w in (gate, up)]
-    kernel, grid, block, args = moe_gate_up_launch(*one, None, x, 1, limit, h)
+    kernel, grid, block, args = moe_gate_up_launch(*one, None, x, 1, limit, h, act_in=act)
     kernel(grid, block, args)
     return linear(h, down)
 

@@ -16,7 +16,18 @@ from ds4_core.backend import Weight
 from ds4_core.errors import BackendError
 
 from .modules import glue_kernel, quant_kernel
-from .ops import GEMV_TOKENS, linear, rms_norm, tensor_core_prefill, values, weighted_rows
+from .ops import (
+    ACT_GROUP,
+    GEMV_TOKENS,
+    Int8Rows,
+    act_bytes,
+    int8_enabled,
+    linear,
+    rms_norm,
+    tensor_core_prefill,
+    values,
+    weighted_rows,
+)
 from .prefill import gemm_rows
 
 #: Most streams ``kernels/hc.cu`` takes (a token's n × n matrix fills at most two registers per lane of a warp).
@@ -94,15 +105,18 @@ def _split_norm_fits(T: int, n: int, D: int) -> bool:
 def _split_norm(S: Any, slices: int, part: Any, scale: Weight, base: Weight, iters: int, eps: float,
                 norm_eps: float, norm: Weight) -> tuple[Any, Any, Any]:
     """(normalised collapse ``[T, D]``, post, comb) of the streams ``S`` from their mix's column slices ``part`` (a
-    token's ``[M + 1, slices]`` contiguous, tokens ``part.strides[0]`` bytes apart)."""
+    token's ``[M + 1, slices]`` contiguous, tokens ``part.strides[0]`` bytes apart). One token on the int8 decode
+    path: the collapse is also written quantized, as the int8 GEMVs after it would quantize it (:class:`Int8Rows`)."""
     T, n, D = S.shape
     pre, post, comb, out = cp.empty((T, n), F32), cp.empty((T, n), F32), cp.empty((T, n, n), F32), cp.empty((T, D), F32)
+    act = cp.empty(act_bytes(D), cp.uint8) if T == 1 and D % ACT_GROUP == 0 and int8_enabled() else None
     sinks = -(-T // HC_NORM_THREADS) if slices == 1 else T  # Sinkhorn blocks: HC_SINKS in kernels/hc.cu
     glue_kernel("hc_split_norm_rows" if slices == 1 else "hc_split_norm")((sinks + T,), (HC_NORM_THREADS,), (
         part, np.int32(part.strides[0] // 4), np.int32(slices), np.int32(n * D), F32(norm_eps),
         cp.ascontiguousarray(values(scale), dtype=F32), cp.ascontiguousarray(values(base), dtype=F32), np.int32(iters),
-        F32(eps), pre, post, comb, S, np.int32(D), cp.ascontiguousarray(values(norm), dtype=F32), out, np.int32(T)))
-    return out, post, comb
+        F32(eps), pre, post, comb, S, np.int32(D), cp.ascontiguousarray(values(norm), dtype=F32), out, np.int32(T),
+        np.uint64(0) if act is None else act))
+    return (out if act is None else Int8Rows.of(out, act)), post, comb
 
 
 def _rows_part(T: int, M: int) -> Any:

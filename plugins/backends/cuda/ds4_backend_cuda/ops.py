@@ -134,6 +134,26 @@ def act_bytes(columns: int) -> int:
     return columns + columns // 4 + columns // 8
 
 
+class Int8Rows(cp.ndarray):
+    """One token's float32 row ``[1, D]`` that also carries its int8 activation (``int8``: uint8 ``[act_bytes(D)]``),
+    made by the kernel that wrote the row as the int8 GEMVs would make it: they read it instead of quantizing the row
+    in each block. Arrays derived from one (views, results) carry none."""
+
+    int8: Any = None
+
+    @classmethod
+    def of(cls, rows: Any, act: Any) -> Int8Rows:
+        out = cls(rows.shape, rows.dtype, rows.data, rows.strides)
+        out.int8 = act
+        return out
+
+
+def int8_of(x: Any, ncols: int) -> Any:
+    """The int8 activation that the row ``x [1, ncols]`` carries (:class:`Int8Rows`), else None."""
+    act = x.int8 if isinstance(x, Int8Rows) else None
+    return act if act is not None and x.shape == (1, ncols) and int8_enabled() else None
+
+
 def _activation_launch(kernel: Any, columns: int) -> Any:
     """An integer kernel bound to the dynamic shared memory that holds ``columns`` int8 activation columns, called
     like a ``cupy.RawKernel``."""
@@ -230,12 +250,14 @@ def moe_gemv_launch(w: Weight, idx: Any, x: Any, x_div: int, y: Any, *,
 
 
 def moe_gate_up_launch(gate: Weight, up: Weight, idx: Any | None, x: Any, x_div: int, limit: float, h: Any, *,
-                       int8: bool | None = None) -> tuple[Any, tuple[int, ...], tuple[int, ...], tuple]:
+                       int8: bool | None = None,
+                       act_in: Any = None) -> tuple[Any, tuple[int, ...], tuple[int, ...], tuple]:
     """(kernel, grid, block, args) of ``h[p] = swiglu(G_{idx[p]} x, U_{idx[p]} x)``, ``x = x[p // x_div]``.
 
     ``gate``, ``up``: ``[E, R, C]`` of one format; ``x``: contiguous float32 rows of ``C``; ``h``: float32
     ``[P, R]``; ``idx`` None: expert 0 for each of the ``P`` rows of ``h``. One pass reads both matrices. ``int8``
-    as in :func:`gemv_launch`.
+    as in :func:`gemv_launch`; ``act_in``, on the int8 path with one row ``x``: that row already quantized (uint8
+    ``[act_bytes(C)]``), read in its place.
     """
     _, nrows, ncols = gate.shape
     row_bytes = gate.data.shape[1]
@@ -244,7 +266,13 @@ def moe_gate_up_launch(gate: Weight, up: Weight, idx: Any | None, x: Any, x_div:
     args = (gate.data, up.data, _i64(nrows * row_bytes), _i64(row_bytes), _i32(nrows), _i32(ncols),
             np.uint64(0) if idx is None else idx, x, _i32(x_div), F32(limit), h)
     if use_int8(int8, gate.qtype):
-        return _activation_launch(quant_kernel("moe_gate_up_i8", gate.qtype), ncols), grid, (32 * warps,), args
+        if act_in is not None and (act_in.nbytes != act_bytes(ncols) or x.size != ncols):
+            raise ValueError(f"a quantized activation is one row of {act_bytes(ncols)} bytes; got {act_in.nbytes} "
+                             f"bytes for {x.size // ncols} rows")
+        kernel = _activation_launch(quant_kernel("moe_gate_up_i8", gate.qtype), 0 if act_in is not None else ncols)
+        return kernel, grid, (32 * warps,), (*args, np.uint64(0) if act_in is None else act_in)
+    if act_in is not None:
+        raise ValueError("only the int8 kernels read a quantized activation")
     return quant_kernel("moe_gate_up", gate.qtype), grid, (32 * warps,), args
 
 
@@ -349,8 +377,9 @@ def linears(x: Any, weights: tuple[Weight, ...]) -> tuple[Any, ...]:
     rows = tuple(w.shape[0] for w in weights)
     table = _segment_table(rows, tuple(w.data.data.ptr for w in weights))
     out = cp.empty((T, sum(rows)), dtype=F32)
+    act = int8_of(x, ncols) if use_int8(None, first.qtype) else None
     kernel, grid, block, args = gemv_launch(first.data, first.qtype, ncols, cp.ascontiguousarray(x, dtype=F32), T,
-                                            out, segments=(table, sum(rows)))
+                                            out, segments=(table, sum(rows)), act_in=act)
     kernel(grid, block, args)
     ends = np.cumsum(rows)
     return tuple(out[:, end - r:end].reshape(*lead, r) for end, r in zip(ends, rows, strict=True))
@@ -837,8 +866,9 @@ def _expert_gate_up(gate: Weight, up: Weight, idx: Any, x: Any, x_div: int, limi
     if gate.qtype != up.qtype or gate.shape != up.shape:
         return swiglu(_expert_gemv(gate, idx, x, x_div), _expert_gemv(up, idx, x, x_div), limit)
     h = cp.empty((idx.shape[0], gate.shape[1]), dtype=F32)
+    act = int8_of(x, gate.shape[2]) if use_int8(None, gate.qtype) else None
     kernel, grid, block, args = moe_gate_up_launch(gate, up, idx, cp.ascontiguousarray(x, dtype=F32), x_div, limit,
-                                                   h)
+                                                   h, act_in=act)
     kernel(grid, block, args)
     return h
 
