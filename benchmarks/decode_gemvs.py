@@ -88,17 +88,19 @@ def main() -> None:
 
 def output_projection(roof: float) -> None:
     """``attn_output_a`` (8 groups of 1024 rows over 4096 columns) then ``attn_output_b``, Q8_0: two launches that
-    each quantize their activation, against ``attn_output_a`` handing its output over quantized (``act_out``)."""
+    each quantize their activation; ``attn_output_a`` handing its output over quantized (``act_out``); and also
+    reading the attention's output quantized (``act_in``)."""
     groups, rows, cols = 8, 1024, 4096
     pairs = [(device_blocks("Q8_0", groups * rows, cols), device_blocks("Q8_0", D, groups * rows)) for _ in range(2)]
     x = cp.asarray(rng.standard_normal(groups * cols).astype(np.float32))
     low, y = cp.empty((1, groups * rows), cp.float32), cp.empty((1, D), cp.float32)
-    act = cp.empty(ops.act_bytes(groups * rows), cp.uint8)
+    act, heads = cp.empty(ops.act_bytes(groups * rows), cp.uint8), cp.zeros(ops.act_bytes(groups * cols), cp.uint8)
     nbytes = pairs[0][0].nbytes + pairs[0][1].nbytes
-    for name, a_out, b_in in (("attn_output_a + _b apart", None, None), ("attn_output_a + _b handed", act, act)):
+    for name, a_in, handed in (("attn_output_a + _b apart", None, None), ("attn_output_a + _b handed", None, act),
+                               ("attn_output_a + _b, both handed", heads, act)):
         launches = [call(*launch) for a, b in pairs for launch in (
-            ops.gemv_launch(a, "Q8_0", cols, x, 1, low, groups * cols, rows, int8=True, act_out=a_out),
-            ops.gemv_launch(b, "Q8_0", groups * rows, low, 1, y, int8=True, act_in=b_in))]
+            ops.gemv_launch(a, "Q8_0", cols, x, 1, low, groups * cols, rows, int8=True, act_in=a_in, act_out=handed),
+            ops.gemv_launch(b, "Q8_0", groups * rows, low, 1, y, int8=True, act_in=handed))]
         report(name, 2 * graph_us(launches), nbytes, roof)
 
 

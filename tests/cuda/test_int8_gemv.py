@@ -304,11 +304,44 @@ def test_output_projection_hands_over_the_quantized_activation(cuda_backend, mon
     assert ops.writes_activation(qtype, groups * rows, ncols)
     if groups * rows > 4096:
         assert int(ops.gemv_launch(out_a.data, qtype, ncols, None, 1, None, groups * ncols, rows)[3][8]) > 1
-    x = cuda_backend.asarray(_activations(rng, 2, groups * ncols).reshape(2, groups, ncols))
+    o = cuda_backend.asarray(_activations(rng, 2, groups * ncols).reshape(2, 2 * groups, ncols // 2))
     for t in (slice(0, 1), slice(0, 2)):
-        apart = ops.linear(ops.grouped_linear(x[t], out_a).reshape(t.stop, -1), out_b)
-        np.testing.assert_array_equal(cuda_backend.to_numpy(cu.output_projection(x[t], out_a, out_b)),
+        apart = ops.linear(ops.grouped_linear(o[t].reshape(t.stop, groups, ncols), out_a).reshape(t.stop, -1), out_b)
+        np.testing.assert_array_equal(cuda_backend.to_numpy(cu.output_projection(o[t], out_a, out_b, groups)),
                                       cuda_backend.to_numpy(apart))
+
+
+@pytest.mark.parametrize("qtype", INT8_TYPES)
+def test_attention_hands_its_output_over_quantized(cuda_backend, monkeypatch, qtype, rng):
+    """A decode step's attention output (``norm_rope_attention``'s merge) comes with its int8 activation, the codes
+    and scales the GEMVs' own quantization makes; the grouped output projection reads it, bit for bit the result of
+    the same values without it."""
+    from ds4_backend_cuda import deepseek4_ops as cu
+    from ds4_backend_cuda import ops
+
+    monkeypatch.setenv(ops.INT8_ENV, "1")
+    xp, host = cuda_backend.asarray, cuda_backend.to_numpy
+    H, d, half, N, groups = 8, 256, 32, 300, 2
+    q = xp(rng.standard_normal((1, H, d), dtype=np.float32))
+    kv = xp(rng.standard_normal((N, d), dtype=np.float32))
+    idx = xp(rng.integers(-1, N, (1, 100)).astype(np.int32))
+    sinks = _pair(cuda_backend, "F32", (H,), rng)[1]
+    inv_freq = xp((10000.0 ** (-np.arange(half) / half)).astype(np.float32))
+    o = ops.norm_rope_attention(q, 1e-6, kv, idx, sinks, d ** -0.5, xp(np.array([1234], np.int32)), inv_freq)
+    assert isinstance(o, ops.Int8Rows) and ops.int8_of(o, H * d) is not None
+    act, flat = host(o.int8), host(o).reshape(1, -1)
+    codes, scales = _quantize(flat)
+    np.testing.assert_array_equal(act[:H * d].view(np.int8), codes[0])
+    np.testing.assert_array_equal(act[H * d + H * d // 4:].view(np.float32), scales[0])
+    halves = flat.reshape(-1, 2, 16).astype(np.float64).sum(axis=-1)
+    np.testing.assert_allclose(act[H * d:H * d + H * d // 4].view(np.float32).reshape(-1, 2), halves, rtol=1e-5,
+                               atol=1e-5)
+    out_a = _pair(cuda_backend, qtype, (groups * 64, H * d // groups), rng)[1]
+    out_b = _pair(cuda_backend, qtype, (96, groups * 64), rng)[1]
+    assert ops.writes_activation(qtype, groups * 64, H * d // groups)
+    got = host(cu.output_projection(o, out_a, out_b, groups))
+    np.testing.assert_array_equal(got, host(cu.output_projection(o.copy(), out_a, out_b, groups)))
+    assert np.isfinite(got).all() and np.abs(got).max() > 0
 
 
 def test_quantized_activation_refusals(cuda_backend, monkeypatch, rng):

@@ -115,20 +115,23 @@ def norm_linear(x: Any, norm: Weight, eps: float, w: Weight) -> Any:
     return y
 
 
-def output_projection(x: Any, out_a: Weight, out_b: Weight) -> Any:
-    """The attention's grouped output projection, ``x [T, G, in]`` through ``out_a`` (``G`` blocks) and then
-    ``out_b`` -> ``[T, D]``, as ``ds4_model_deepseek4``'s ``compose_output_projection``. One token on the int8 path:
-    ``out_a``'s GEMV also writes its output quantized, as ``out_b``'s GEMV would quantize it, and ``out_b``'s reads
-    those codes (no quantization, and no block barrier, before its first dot product); the result is the same."""
-    T, groups, ncols = x.shape
+def output_projection(o: Any, out_a: Weight, out_b: Weight, groups: int) -> Any:
+    """The attention's heads ``o [T, H, hd]`` through the grouped output projection: ``groups`` blocks of ``out_a``,
+    then ``out_b`` -> ``[T, D]``, as ``ds4_model_deepseek4``'s ``compose_output_projection``. One token on the int8
+    path: ``out_a``'s GEMV reads the int8 activation that ``o`` carries (:class:`.ops.Int8Rows`, from the attention's
+    merge) and writes its own output quantized, as ``out_b``'s GEMV would quantize it, which that GEMV reads: neither
+    quantizes its activation (no prologue, no block barrier), and the result is the same."""
+    T = o.shape[0]
+    ncols = o.size // (T * groups) if T else 0
     low_rows = groups * (out_a.shape[1] if len(out_a.shape) == 3 else out_a.shape[0] // groups)
     if not (T == 1 and ncols % 8 == 0 and len(out_b.shape) == 2 and out_b.shape[1] == low_rows
             and writes_activation(out_a.qtype, low_rows, ncols) and use_int8(None, out_b.qtype)):
-        return linear(grouped_linear(x, out_a).reshape(T, -1), out_b)
+        return linear(grouped_linear(o.reshape(T, groups, -1), out_a).reshape(T, -1), out_b)
     low, y = cp.empty((1, low_rows), dtype=F32), cp.empty((1, out_b.shape[0]), dtype=F32)
     act = cp.empty(act_bytes(low_rows), dtype=cp.uint8)
-    kernel, grid, block, args = gemv_launch(out_a.data, out_a.qtype, ncols, cp.ascontiguousarray(x, dtype=F32), 1,
-                                            low, groups * ncols, low_rows // groups, act_out=act)
+    kernel, grid, block, args = gemv_launch(out_a.data, out_a.qtype, ncols, cp.ascontiguousarray(o, dtype=F32), 1,
+                                            low, groups * ncols, low_rows // groups, act_in=int8_of(o, groups * ncols),
+                                            act_out=act)
     kernel(grid, block, args)
     kernel, grid, block, args = gemv_launch(out_b.data, out_b.qtype, low_rows, low, 1, y, act_in=act)
     kernel(grid, block, args)

@@ -42,9 +42,9 @@ def source(name: str) -> str:
 
 
 def program(*names: str) -> str:
-    """The sources ``names`` of one module, after ``pdl.cuh`` (``grid_wait``, which their kernels call) and
-    ``reduce.cuh`` (``block_sum``)."""
-    return "\n".join(source(name) for name in ("pdl.cuh", "reduce.cuh", *names))
+    """The sources ``names`` of one module, after ``pdl.cuh`` (``grid_wait``, which their kernels call),
+    ``reduce.cuh`` (``block_sum``) and ``act.cuh`` (the int8 activation's writers)."""
+    return "\n".join(source(name) for name in ("pdl.cuh", "reduce.cuh", "act.cuh", *names))
 
 
 #: Options of the sm_90a modules (Hopper's architecture-specific instructions, such as ``wgmma``).

@@ -135,9 +135,9 @@ def act_bytes(columns: int) -> int:
 
 
 class Int8Rows(cp.ndarray):
-    """One token's float32 row ``[1, D]`` that also carries its int8 activation (``int8``: uint8 ``[act_bytes(D)]``),
-    made by the kernel that wrote the row as the int8 GEMVs would make it: they read it instead of quantizing the row
-    in each block. Arrays derived from one (views, results) carry none."""
+    """One token's float32 values ``[1, ...]`` (``D`` in all) that also carry their int8 activation (``int8``: uint8
+    ``[act_bytes(D)]``), made by the kernel that wrote them as the int8 GEMVs would make it: they read it instead of
+    quantizing the values in each block. Arrays derived from one (views, results) carry none."""
 
     int8: Any = None
 
@@ -149,9 +149,10 @@ class Int8Rows(cp.ndarray):
 
 
 def int8_of(x: Any, ncols: int) -> Any:
-    """The int8 activation that the row ``x [1, ncols]`` carries (:class:`Int8Rows`), else None."""
+    """The int8 activation that the token ``x [1, ...]`` of ``ncols`` values carries (:class:`Int8Rows`), else
+    None."""
     act = x.int8 if isinstance(x, Int8Rows) else None
-    return act if act is not None and x.shape == (1, ncols) and int8_enabled() else None
+    return act if act is not None and x.shape[0] == 1 and x.size == ncols and int8_enabled() else None
 
 
 def _activation_launch(kernel: Any, columns: int) -> Any:
@@ -199,8 +200,9 @@ def gemv_launch(raw: Any, qtype: str, ncols: int, x: Any, ntok: int, y: Any, x_s
     quantizes the activation into int8 blocks of 32 on the way in (``x`` 16-byte aligned). ``segments``: W's
     ``R`` rows lie in several buffers of ``raw``'s row width, ``(table, R)`` from :func:`_segment_table`. ``norm``
     ``(weights, eps)``, the int8 GEMV of one activation only: ``x`` is RMSNormed with those weights on the way in.
-    ``act_in``, the int8 GEMV of one activation without a norm: that activation already quantized (uint8
-    ``[act_bytes(ncols)]``, as an ``act_out`` wrote it), read in place of ``x``. ``act_out``, an int8 GEMV for which
+    ``act_in``, the int8 GEMV without a norm: its activations already quantized, one after the other (uint8
+    ``[act_bytes(groups · ncols)]``, as an ``act_out`` or a kernel of ``act.cuh`` wrote them), read in place of
+    ``x``. ``act_out``, an int8 GEMV for which
     :func:`writes_activation` holds: ``y`` is also written there quantized, as the next GEMV's activation.
     """
     nrows = raw.shape[0] if segments is None else segments[1]
@@ -211,9 +213,10 @@ def gemv_launch(raw: Any, qtype: str, ncols: int, x: Any, ntok: int, y: Any, x_s
         groups = _act_groups(WARPS_PER_BLOCK // splits * ROWS_PER_WARP * passes, group_rows, -(-nrows // group_rows))
         if norm is not None and groups != 1:
             raise ValueError("a GEMV that folds an RMSNorm in reads one activation, not a block-diagonal projection")
-        if act_in is not None and (norm is not None or group_rows != nrows or act_in.nbytes != act_bytes(ncols)):
-            raise ValueError(f"a quantized activation is read by a GEMV of one activation without a norm, as "
-                             f"{act_bytes(ncols)} bytes; got {act_in.nbytes} bytes")
+        columns = -(-nrows // group_rows) * ncols  # of every activation group
+        if act_in is not None and (norm is not None or act_in.nbytes != act_bytes(columns)):
+            raise ValueError(f"a quantized activation is read by a GEMV without a norm, as {act_bytes(columns)} "
+                             f"bytes; got {act_in.nbytes} bytes")
         if act_out is not None and (not writes_activation(qtype, nrows, ncols) or act_out.nbytes != act_bytes(nrows)):
             raise ValueError(f"this GEMV cannot write its {nrows} rows as a quantized activation of "
                              f"{act_bytes(nrows)} bytes (see writes_activation)")
@@ -715,9 +718,12 @@ def _attends_rows(q: Any, idx: Any) -> bool:
     return 0 < T <= GEMV_TOKENS and idx.shape[1] > 0 and d % 4 == 0 and d <= _ATTEND_MAX_D
 
 
-def _attend_rows(q: Any, kv: Any, idx: Any, sink: Any, scale: float, rope_args: tuple) -> Any:
+def _attend_rows(q: Any, kv: Any, idx: Any, sink: Any, scale: float, rope_args: tuple,
+                 quantized: bool = False) -> Any:
     """The few-token attention in two launches; ``rope_args`` (positions, inv_freq, half, eps) RMSNorm and rotate
-    the queries in the first and rotate the output back in the merge (null pointers: neither)."""
+    the queries in the first and rotate the output back in the merge (null pointers: neither). ``quantized``, one
+    token on the int8 decode path: the merge also writes the output as the int8 activation of the GEMV that reads it
+    (:class:`Int8Rows`)."""
     T, H, d = q.shape
     K = idx.shape[1]
     q, kv = cp.ascontiguousarray(q, dtype=F32), cp.ascontiguousarray(kv, dtype=F32)
@@ -725,19 +731,22 @@ def _attend_rows(q: Any, kv: Any, idx: Any, sink: Any, scale: float, rope_args: 
     tiles = -(-K // _ATTEND_ROWS)
     part, stats = cp.empty((T, H, tiles, d), dtype=F32), cp.empty((T, H, tiles, 2), dtype=F32)
     out = cp.empty((T, H, d), dtype=F32)
+    act = cp.empty(act_bytes(H * d), cp.uint8) if quantized and T == 1 and d % ACT_GROUP == 0 else None
     glue_kernel("attend_rows")((tiles, -(-H // _ATTEND_HEADS), T), (32 * _ATTEND_HEADS,), (
         q, kv, idx, _i32(H), _i32(K), _i32(d), F32(scale), part, stats, *rope_args),
         shared_mem=4 * _ATTEND_HEADS * d + 8 * int(rope_args[2]))
     glue_kernel("attend_merge")((-(-d // 128), H, T), (128,), (
-        part, stats, sink, _i32(H), _i32(tiles), _i32(d), out, *rope_args[:3]), shared_mem=4 * tiles)
-    return out
+        part, stats, sink, _i32(H), _i32(tiles), _i32(d), out, *rope_args[:3], np.uint64(0) if act is None else act),
+        shared_mem=4 * tiles)
+    return out if act is None else Int8Rows.of(out, act)
 
 
 def norm_rope_attention(q: Any, eps: float, kv: Any, idx: Any, sinks: Weight | None, scale: float, positions: Any,
                         inv_freq: Any) -> Any:
     """:func:`norm_rope` of the queries (no weight), :func:`sparse_attention`, then :func:`rope` of its output with
     ``inverse``: a decode step's few tokens take the queries' norm and rotation in the attention's first launch and
-    the output's rotation in its merge launch."""
+    the output's rotation in its merge launch, and write the output of one token also as the int8 activation of
+    the projection after it (:class:`Int8Rows`)."""
     half, d = inv_freq.shape[0], q.shape[2]
     rope_fits = 2 * half <= d and half <= 32 * _ATTEND_HEADS and 4 * _ATTEND_HEADS * d + 8 * half <= _ATTEND_SHARED
     if not (_attends_rows(q, idx) and rope_fits and positions.size == q.shape[0]):
@@ -746,7 +755,7 @@ def norm_rope_attention(q: Any, eps: float, kv: Any, idx: Any, sinks: Weight | N
     sink = values_or_null(sinks)
     rope_args = (cp.ascontiguousarray(positions, dtype=cp.int32).reshape(-1),
                  cp.ascontiguousarray(inv_freq, dtype=F32), _i32(half), F32(eps))
-    return _attend_rows(q, kv, idx, sink, scale, rope_args)
+    return _attend_rows(q, kv, idx, sink, scale, rope_args, quantized=int8_enabled())
 
 
 #: Most heads and the keys of one block of ``indexer_scores_rows`` (SCORE_HEADS, SCORE_KEYS in ``kernels/rows.cu``).

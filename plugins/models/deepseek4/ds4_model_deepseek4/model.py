@@ -415,8 +415,8 @@ class Attention:
 
     def _output(self, ops: Ops, o: Any) -> Any:
         """The grouped output projection of the attention's heads ``o [T, H, hd]`` -> ``[T, D]``."""
-        return fused(ops, "output_projection", compose_output_projection)(
-            o.reshape(o.shape[0], self.cfg.o_groups, -1), self.attn_output_a, self.attn_output_b)
+        return fused(ops, "output_projection", compose_output_projection)(o, self.attn_output_a, self.attn_output_b,
+                                                                           self.cfg.o_groups)
 
     def _output_b(self, ops: Ops, low: Any) -> Any:
         """The grouped projection's ``low [T, G, rows]`` through ``attn_output_b`` -> ``[T, D]``."""
@@ -459,10 +459,10 @@ class MoE:
                                self.limit)
 
 
-def compose_output_projection(ops: Ops, x: Any, out_a: Any, out_b: Any) -> Any:
-    """The grouped output projection: ``x [T, G, in]`` through the block-diagonal ``out_a``, then ``out_b`` ->
-    ``[T, D]``."""
-    low = ops.grouped_linear(x, out_a)
+def compose_output_projection(ops: Ops, o: Any, out_a: Any, out_b: Any, groups: int) -> Any:
+    """The grouped output projection of the attention's heads ``o [T, H, hd]``: ``groups`` blocks of the
+    block-diagonal ``out_a``, then ``out_b`` -> ``[T, D]``."""
+    low = ops.grouped_linear(o.reshape(o.shape[0], groups, -1), out_a)
     return ops.linear(low.reshape(low.shape[0], -1), out_b)
 
 

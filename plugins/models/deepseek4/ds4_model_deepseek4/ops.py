@@ -114,10 +114,10 @@ def norm_rope_window_attention(q: Any, eps: float, kv: Any, first: int, window: 
                                               positions, inv_freq, out_a, groups)
 
 
-def output_projection(x: Any, out_a: Any, out_b: Any) -> Any:
+def output_projection(o: Any, out_a: Any, out_b: Any, groups: int) -> Any:
     """The attention's grouped output projection (:func:`.model.compose_output_projection` over the core numpy ops),
-    the reference of backends that pass the intermediate between the two projections in their own form."""
-    return compose_output_projection(_NUMPY_OPS, x, out_a, out_b)
+    the reference of backends that hand its input and its intermediate over in their own form."""
+    return compose_output_projection(_NUMPY_OPS, o, out_a, out_b, groups)
 
 
 DEEPSEEK4_OPS: dict[str, Callable] = {

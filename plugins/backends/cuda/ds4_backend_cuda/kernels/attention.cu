@@ -188,12 +188,14 @@ __device__ __forceinline__ float block_reduce(float v, float* scratch, Combine c
 // exp(sink_h - P)), with P the largest peak or sink (0 for a fully masked row without a sink, whose output is then
 // 0 / 0 as in the array form). The block's threads first share out the tiles' weights (one round trip for the
 // statistics instead of one per tile). With pos not null, the output's trailing 2·half channels are then rotated
-// back by pos[t] · inv_freq as rope_rows does with inverse set (a pair's channels are neighbouring lanes). grid
-// (ceil(d / blockDim.x), H, T), blockDim.x a multiple of 32, dynamic shared memory tiles floats.
+// back by pos[t] · inv_freq as rope_rows does with inverse set (a pair's channels are neighbouring lanes). With act
+// not null (d a multiple of 32), each token's output row of H · d values is also written there as the int8
+// activation of the GEMV that reads it (act.cuh; tokens act_bytes(H · d) apart). grid (ceil(d / blockDim.x), H, T),
+// blockDim.x a multiple of 32, dynamic shared memory tiles floats.
 extern "C" __global__ void attend_merge(const float* __restrict__ part, const float2* __restrict__ stats,
                                         const float* __restrict__ sinks, int H, int tiles, int d,
                                         float* __restrict__ out, const int* __restrict__ pos,
-                                        const float* __restrict__ inv_freq, int half) {
+                                        const float* __restrict__ inv_freq, int half, unsigned char* __restrict__ act) {
     grid_wait();
     extern __shared__ float weight[];
     __shared__ float scratch[32];
@@ -220,7 +222,7 @@ extern "C" __global__ void attend_merge(const float* __restrict__ part, const fl
     float o = num / den;
     const int j = c - (d - 2 * half);
     const float partner = __shfl_xor_sync(0xffffffffu, o, 1);  // every lane, before any leaves
-    if (c >= d) return;
+    if (c >= d) return;  // whole warps when d is a multiple of 32
     if (pos && j >= 0) {
         float s, co;
         sincosf((float)pos[blockIdx.z] * inv_freq[j >> 1], &s, &co);
@@ -229,6 +231,10 @@ extern "C" __global__ void attend_merge(const float* __restrict__ part, const fl
         o = (j & 1) ? a * s + b * co : a * co - b * s;
     }
     out[th * d + c] = o;
+    if (act) {
+        const int n = H * d;
+        write_group(o, h * d + (c & ~31), n, act + (size_t)blockIdx.z * (n + n / 4 + n / 8));
+    }
 }
 
 // Softmax statistics of a row l [K] in one warp, given each lane's maximum over its elements: the peak (the row's

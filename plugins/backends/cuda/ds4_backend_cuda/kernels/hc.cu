@@ -260,31 +260,6 @@ extern "C" __global__ void hc_split(float* __restrict__ mix, const float* __rest
 // them. Three launches of a decode step's hyper-connection became one. HC_NORM_THREADS threads (the registers of the
 // Sinkhorn and the slice sums), D a multiple of 4 up to 4 · HC_QUADS · HC_NORM_THREADS; n = HC_NORM_STREAMS, the
 // models' 4. part's tokens are ld floats apart. Grid: HC_SINKS(T, slices) + T blocks.
-// Column quad d (4d .. 4d + 3) of a row of D columns, held by one lane, into act, the row's int8 activation in
-// I8Act's layout (kernels/quant_int8.cu: codes, half sums and scales of D columns): eight neighbouring lanes hold a
-// group of 32 columns and quantize it as quantize_shared would, bit for bit (the same amax, the same rounding, the
-// half sums added in the same order), so that the GEMVs after it read codes instead of quantizing the row in
-// every block. Every lane of the warp calls it; D a multiple of 32; quads past D4 hold zeros and write nothing.
-__device__ __forceinline__ void write_quad_group(float4 y, int d, int D, unsigned char* __restrict__ act) {
-    const int lane = threadIdx.x & 31;
-    float amax = fmaxf(fmaxf(fabsf(y.x), fabsf(y.y)), fmaxf(fabsf(y.z), fabsf(y.w)));
-#pragma unroll
-    for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    float sum = (y.x + y.y) + (y.z + y.w);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);  // a thread's 8 columns in quantize_shared
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);  // its 16: the half sums
-    const float other = __shfl_xor_sync(0xffffffffu, sum, 4);
-    if (4 * d >= D) return;
-    const float inv = amax > 0.f ? 127.0f / amax : 0.f;
-    reinterpret_cast<unsigned*>(act)[d] =
-        (unsigned)(__float2int_rn(y.x * inv) & 255) | (unsigned)(__float2int_rn(y.y * inv) & 255) << 8 |
-        (unsigned)(__float2int_rn(y.z * inv) & 255) << 16 | (unsigned)(__float2int_rn(y.w * inv) & 255) << 24;
-    if ((lane & 7) == 0) {
-        reinterpret_cast<float2*>(act + D)[d / 8] = make_float2(sum, other);
-        reinterpret_cast<float*>(act + D + D / 4)[d / 8] = amax / 127.0f;
-    }
-}
-
 #define HC_QUADS 4
 #define HC_NORM_THREADS 256
 #define HC_NORM_STREAMS 4  // hc_split4_lane's

@@ -68,34 +68,12 @@ __device__ __forceinline__ I8Act quantize_shared(const float* __restrict__ x, in
     return {q, s, d, 1.f};
 }
 
-// An int8 activation of n columns that an earlier kernel wrote to global memory in I8Act's layout (codes, half
-// sums, scales), read in place: no quantization and no block barrier before the first dot product.
-__device__ __forceinline__ I8Act global_activation(const u8* __restrict__ act, int n) {
+// Columns first .. n - 1 of an int8 activation of n columns that an earlier kernel wrote to global memory in
+// I8Act's layout (act.cuh), read in place: no quantization and no block barrier before the first dot product.
+__device__ __forceinline__ I8Act global_activation(const u8* __restrict__ act, int n, int first) {
     grid_wait();  // the weights' first loads are in flight (pdl.cuh); act is the previous kernel's output
-    return {reinterpret_cast<const signed char*>(act), reinterpret_cast<const float2*>(act + n),
-            reinterpret_cast<const float*>(act + n + n / 4), 1.f};
-}
-
-// Values v[r .. r + 31] (lane l holds v[r + l]) quantized as quantize_shared quantizes 32 columns, into act, the
-// I8Act layout of n columns: the next GEMV then reads codes its own prologue would have made, bit for bit (the same
-// amax, the same rounding, the half sums added in the same order: pairs, then quads, eights and sixteens). By one
-// warp; r a multiple of 32.
-__device__ __forceinline__ void write_group(float v, int r, int n, u8* __restrict__ act) {
-    const int lane = threadIdx.x & 31;
-    float amax = fabsf(v), sum = v;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-#pragma unroll
-    for (int o = 1; o <= 8; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    const float other = __shfl_xor_sync(0xffffffffu, sum, 16);
-    u32 code = (u32)(__float2int_rn(v * (amax > 0.f ? 127.0f / amax : 0.f)) & 255) << (8 * (lane & 3));
-    code |= __shfl_xor_sync(0xffffffffu, code, 1);
-    code |= __shfl_xor_sync(0xffffffffu, code, 2);
-    if ((lane & 3) == 0) *reinterpret_cast<u32*>(act + r + lane) = code;
-    if (lane == 0) {
-        reinterpret_cast<float2*>(act + n)[r / 32] = make_float2(sum, other);
-        reinterpret_cast<float*>(act + n + n / 4)[r / 32] = amax / 127.0f;
-    }
+    return {reinterpret_cast<const signed char*>(act) + first, reinterpret_cast<const float2*>(act + n) + first / 32,
+            reinterpret_cast<const float*>(act + n + n / 4) + first / 32, 1.f};
 }
 
 __device__ __forceinline__ float half_at2(const u8* p) {  // p is 2-byte aligned
@@ -300,8 +278,8 @@ __device__ __forceinline__ I8Act block_activation(const float* __restrict__ x, i
 // GEMV_WARPS warps: GEMV_WARPS / KS groups of GEMV_ROWS rows, each row group split over KS warps by chunks and summed
 // in a fixed order; with KS = 1 the block makes P passes, each warp streaming its P row groups back to back (P = 1
 // when KS > 1). Dynamic shared memory: the I8Act of the activations of the x groups a block's rows touch. W's rows as
-// row_at finds them. act_in (not null; one x group, no norm): the activation's I8Act in global memory instead, as an
-// earlier act_out wrote it (no shared memory then). act_out (not null; KS = 1, nrows a multiple of 32): y is also
+// row_at finds them. act_in (not null; no norm): the I8Act of all x groups, one after the other, in global memory
+// instead, as an earlier kernel wrote it (act.cuh; no shared memory then). act_out (not null; KS = 1, nrows a multiple of 32): y is also
 // written there quantized, as the I8Act of nrows columns, each block its 32-row passes (write_group).
 template <class Q>
 __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_i8(
@@ -330,7 +308,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_i8(
         },
         ngroups, ncols,
         [&] {
-            if (act_in) return global_activation(act_in, ncols);
+            if (act_in) return global_activation(act_in, (nrows + group_rows - 1) / group_rows * ncols, g0 * ncols);
             const I8Act act = block_activation(x + (long long)g0 * ncols, ncols, g1 - g0 + 1, norm, eps);
             scale = act.scale;
             return act;
@@ -401,12 +379,19 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS) moe_gemv_i8(
 // Fused routed gate/up/SwiGLU on int8 activations (as moe_gate_up): each warp reads GEMV_ROWS gate rows and the
 // same up rows of expert idx[p] against x[p / x_div]; a negative id gives zeros, a null idx expert 0 for every pair.
 // Dynamic shared memory as moe_gemv_i8; with act_in (x one row), none: x's I8Act in global memory, read in place.
-// IQ2_XXS's blocks are bounded to six a multiprocessor (80 registers, a few spilled): a decode step's 6 routed
-// experts then take one wave instead of 1.45, beside the shared expert's launch (alone no faster, 22.8 -> 23.1 µs;
-// in 12-layer Flash decode steps, seven runs each, median 566 against 554 t/s).
+// Blocks a multiprocessor each format's kernel is bounded to: Q8_0 and Q2_K as many as their registers give
+// unbounded (167 and 127); IQ2_XXS six (80 registers, a few spilled), so that a decode step's 6 routed experts take
+// one wave instead of 1.45 beside the shared expert's launch (alone no faster, 22.8 -> 23.1 µs; in 12-layer Flash
+// decode steps, seven runs each, median 566 against 554 t/s).
 template <class Q>
-struct GateUpBlocks {
-    static constexpr int MIN = 1;
+struct GateUpBlocks;
+template <>
+struct GateUpBlocks<Q8_0> {
+    static constexpr int MIN = 3;
+};
+template <>
+struct GateUpBlocks<Q2_K> {
+    static constexpr int MIN = 4;
 };
 template <>
 struct GateUpBlocks<IQ2_XXS> {
@@ -442,7 +427,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS / 2, GateUpBlocks<Q>::MIN) moe
         },
         e >= 0 && r0 < nrows, ncols,
         [&] {
-            return act_in ? global_activation(act_in, ncols)
+            return act_in ? global_activation(act_in, ncols, 0)
                           : block_activation(x + (long long)(p / x_div) * ncols, ncols, 1);
         },
         0, 1, stage[warp], table, acc, [](int) {});
