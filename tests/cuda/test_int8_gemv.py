@@ -336,9 +336,9 @@ def test_attention_hands_its_output_over_quantized(cuda_backend, monkeypatch, qt
     halves = flat.reshape(-1, 2, 16).astype(np.float64).sum(axis=-1)
     np.testing.assert_allclose(act[H * d:H * d + H * d // 4].view(np.float32).reshape(-1, 2), halves, rtol=1e-5,
                                atol=1e-5)
-    out_a = _pair(cuda_backend, qtype, (groups * 64, H * d // groups), rng)[1]
-    out_b = _pair(cuda_backend, qtype, (96, groups * 64), rng)[1]
-    assert ops.writes_activation(qtype, groups * 64, H * d // groups)
+    out_a = _pair(cuda_backend, qtype, (groups * 128, H * d // groups), rng)[1]
+    out_b = _pair(cuda_backend, qtype, (96, groups * 128), rng)[1]
+    assert ops.writes_activation(qtype, groups * 128, H * d // groups)
     got = host(cu.output_projection(o, out_a, out_b, groups))
     np.testing.assert_array_equal(got, host(cu.output_projection(o.copy(), out_a, out_b, groups)))
     assert np.isfinite(got).all() and np.abs(got).max() > 0
