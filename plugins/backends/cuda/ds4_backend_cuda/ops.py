@@ -152,7 +152,7 @@ def int8_of(x: Any, ncols: int) -> Any:
     """The int8 activation that the token ``x [1, ...]`` of ``ncols`` values carries (:class:`Int8Rows`), else
     None."""
     act = x.int8 if isinstance(x, Int8Rows) else None
-    return act if act is not None and x.shape[0] == 1 and x.size == ncols and int8_enabled() else None
+    return act if act is not None and x.shape[0] == 1 and x.size == ncols else None
 
 
 def _activation_launch(kernel: Any, columns: int) -> Any:
@@ -202,8 +202,8 @@ def gemv_launch(raw: Any, qtype: str, ncols: int, x: Any, ntok: int, y: Any, x_s
     ``(weights, eps)``, the int8 GEMV of one activation only: ``x`` is RMSNormed with those weights on the way in.
     ``act_in``, the int8 GEMV without a norm: its activations already quantized, one after the other (uint8
     ``[act_bytes(groups · ncols)]``, as an ``act_out`` or a kernel of ``act.cuh`` wrote them), read in place of
-    ``x``. ``act_out``, an int8 GEMV for which
-    :func:`writes_activation` holds: ``y`` is also written there quantized, as the next GEMV's activation.
+    ``x``. ``act_out``, an int8 GEMV for which :func:`writes_activation` holds: ``y`` is also written there
+    quantized, as the next GEMV's activation.
     """
     nrows = raw.shape[0] if segments is None else segments[1]
     segs = (np.uint64(0), _i32(1)) if segments is None else (segments[0], _i32(segments[0].size // 2))
