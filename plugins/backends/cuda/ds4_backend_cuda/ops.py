@@ -137,7 +137,8 @@ def act_bytes(columns: int) -> int:
 class Int8Rows(cp.ndarray):
     """One token's float32 values ``[1, ...]`` (``D`` in all) that also carry their int8 activation (``int8``: uint8
     ``[act_bytes(D)]``), made by the kernel that wrote them as the int8 GEMVs would make it: they read it instead of
-    quantizing the values in each block. Arrays derived from one (views, results) carry none."""
+    quantizing the values in each block. Arrays derived from one (views, results) carry none; an op that wrote one
+    in place would leave its codes stale, and none does."""
 
     int8: Any = None
 
