@@ -69,9 +69,24 @@ def main() -> None:
         gate_up = [call(*ops.moe_gate_up_launch(gate, up, s, x, PAIRS, 0.0, h_out, int8=True, act_in=a))
                    for s in expert_sets]
         report(name, graph_us(gate_up), 2 * PAIRS * gate.data.nbytes // E, roof)
+    h_act = cp.empty(ops.act_bytes(PAIRS * F), cp.uint8)
+    gate_up = [call(*ops.moe_gate_up_launch(gate, up, s, x, PAIRS, 0.0, h_out, int8=True, act_in=act, act_out=h_act))
+               for s in expert_sets]
+    report("routed gate/up, handed both", graph_us(gate_up), 2 * PAIRS * gate.data.nbytes // E, roof)
     downs = [call(*ops.moe_gemv_launch(down, s, h, 1, y_out, int8=True)) for s in expert_sets]
     report("routed down Q2_K", graph_us(downs), PAIRS * down.data.nbytes // E, roof)
+    weights, out = cp.full((1, PAIRS), 1 / PAIRS, cp.float32), cp.empty((1, D), cp.float32)
+    for name, a in (("routed down summed", None), ("routed down summed, handed", h_act)):
+        downs = [call(*ops.moe_down_sum_launch(down, s, PAIRS, h, weights, out, act_in=a)) for s in expert_sets]
+        report(name, graph_us(downs), PAIRS * down.data.nbytes // E, roof)
     del gate, up, down
+    shared = [[Weight(n, "Q8_0", (1, F, D), device_blocks("Q8_0", F, D)) for n in ("gate", "up")] for _ in range(4)]
+    h1 = cp.empty((1, F), cp.float32)
+    for splits in (1, 2, 4):
+        launches = [call(*ops.moe_gate_up_launch(g, u, None, x, 1, 0.0, h1, int8=True, act_in=act, splits=splits))
+                    for g, u in shared]
+        report(f"shared gate/up Q8_0, {splits} split", graph_us(launches), 2 * shared[0][0].data.nbytes, roof)
+    del shared
     for name, rows, cols in (("attn_q_b Q8_0", 32768, 1024), ("attn_output_b Q8_0", 4096, 8192)):
         copies = [device_blocks("Q8_0", rows, cols) for _ in range(4)]
         xv = cp.asarray(rng.standard_normal(cols).astype(np.float32))

@@ -194,6 +194,35 @@ def test_moe_gate_up_int8(cuda_backend, qtype, limit, rng):
     assert np.isfinite(got).all()
 
 
+@pytest.mark.parametrize("qtype", INT8_TYPES)
+def test_gate_up_split_over_warps_sums_the_same_chunks(cuda_backend, qtype, rng):
+    """A gate/up row group split over 2 or 4 warps (each a share of its 4 chunks, summed in a fixed order) gives the
+    unsplit sums up to float32 rounding; the shared expert's one set of rows (a null idx) is split by default."""
+    from ds4_backend_cuda import ops
+
+    (_, gate, _), (_, up, _) = (_pair(cuda_backend, qtype, (2, 40, 4096), rng) for _ in range(2))
+    x = cuda_backend.asarray(_activations(rng, 1, 4096))
+    idx = cuda_backend.asarray(np.array([1, -1, 0], np.int32))
+    out = {}
+    for splits in (1, 2, 4, None):
+        for ids, pairs in ((idx, 3), (None, 1)):
+            h = cuda_backend.xp.full((pairs, 40), np.nan, dtype=np.float32)
+            kernel, grid, block, args = ops.moe_gate_up_launch(gate, up, ids, x, pairs, 0.8, h, int8=True,
+                                                               splits=splits)
+            kernel(grid, block, args)
+            out[splits, pairs] = cuda_backend.to_numpy(h)
+    assert ops._gate_up_splits(qtype, 40, 4096, 1) > 1
+    for pairs in (3, 1):
+        plain = out[1, pairs]
+        assert np.isfinite(plain).all() and np.abs(plain).max() > 0
+        for splits in (2, 4, None):
+            np.testing.assert_allclose(out[splits, pairs], plain, rtol=1e-5, atol=1e-6 * np.abs(plain).max())
+    np.testing.assert_array_equal(out[4, 3][1], 0)
+    h = cuda_backend.xp.empty((3, 40), dtype=np.float32)
+    with pytest.raises(ValueError, match="split over 1, 2, 4"):
+        ops.moe_gate_up_launch(gate, up, idx, x, 3, 0.0, h, int8=True, splits=3)
+
+
 @pytest.mark.parametrize("int8", [False, True])
 def test_gate_up_without_ids_is_expert_zero(cuda_backend, int8, rng):
     """A null id array (the shared expert) is expert 0 for every pair: the same sums as explicit zero ids."""
@@ -424,3 +453,98 @@ def test_gate_up_refuses_a_quantized_activation_of_the_wrong_size(cuda_backend, 
         ops.moe_gate_up_launch(gate, gate, None, x, 1, 0.0, h, int8=True, act_in=act)
     with pytest.raises(ValueError, match="only the int8 kernels"):
         ops.moe_gate_up_launch(gate, gate, None, x[:1], 1, 0.0, h[:1], int8=False, act_in=act)
+
+
+def _routed_case(backend, qtype: str, rng: np.random.Generator, F: int = 256):
+    """(gate, up, down, x [T, D], idx [T, k] with a negative id, weights [T, k]) of a routed MoE on CUDA."""
+    E, D, T, k = 4, 512, 2, 3
+    gate, up = (_pair(backend, qtype, (E, F, D), rng)[1] for _ in range(2))
+    down = _pair(backend, qtype, (E, 70, F), rng)[1]  # 70 rows: a partial block of rows at the end
+    idx = np.array([[2, -1, 0], [3, 2, 1]], dtype=np.int32)
+    weights = rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
+    return gate, up, down, backend.asarray(_activations(rng, T, D)), idx, weights
+
+
+@pytest.mark.parametrize("qtype", INT8_TYPES)
+def test_down_sum_has_the_bits_of_the_pairs_rows_summed(cuda_backend, qtype, rng):
+    """The routed experts' down projections and their weighted sum in one launch give the bits of the per-pair
+    GEMV's rows (``moe_gemv_i8``, checked against numpy above) summed by ``weighted_rows`` (``hc_collapse``); a
+    negative id adds nothing."""
+    from ds4_backend_cuda import ops
+
+    xp, host = cuda_backend.xp, cuda_backend.to_numpy
+    _, _, down, _, idx, weights = _routed_case(cuda_backend, qtype, rng)
+    T, k = idx.shape
+    h = xp.asarray(_activations(rng, T * k, down.shape[2]))
+    flat, w = xp.asarray(idx.reshape(-1)), xp.asarray(weights)
+    rows = xp.full((T * k, 70), np.nan, dtype=np.float32)
+    kernel, grid, block, args = ops.moe_gemv_launch(down, flat, h, 1, rows, int8=True)
+    kernel(grid, block, args)
+    want = host(ops.weighted_rows(w, rows.reshape(T, k, 70)))
+    out = xp.full((T, 70), np.nan, dtype=np.float32)
+    kernel, grid, block, args = ops.moe_down_sum_launch(down, flat, k, h, w, out)
+    kernel(grid, block, args)
+    np.testing.assert_array_equal(host(out), want)
+    assert np.isfinite(want).all() and np.abs(want).max() > 0
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "IQ2_XXS"])
+def test_gate_up_hands_its_output_to_the_summed_down_quantized(cuda_backend, monkeypatch, qtype, rng):
+    """The routed gate/up of the 2-bit formats (a block's 32 rows one group) also writes its SwiGLU output in the
+    int8 layout: the codes and scales the down's own quantization makes, which the summed down reads in their place
+    with the same bits as from the float rows. ``moe_experts`` takes both launches."""
+    from ds4_backend_cuda import ops
+
+    monkeypatch.setenv(ops.INT8_ENV, "1")
+    xp, host = cuda_backend.xp, cuda_backend.to_numpy
+    gate, up, down, x, idx, weights = _routed_case(cuda_backend, qtype, rng)
+    T, k = idx.shape
+    F = gate.shape[1]
+    assert ops.gate_up_writes_activation(qtype, F) and not ops.gate_up_writes_activation("Q8_0", F)
+    flat, w = xp.asarray(idx.reshape(-1)), xp.asarray(weights)
+    h = xp.full((T * k, F), np.nan, dtype=np.float32)
+    act = xp.zeros(ops.act_bytes(h.size), dtype=np.uint8)
+    kernel, grid, block, args = ops.moe_gate_up_launch(gate, up, flat, x, k, 0.0, h, int8=True, act_out=act)
+    kernel(grid, block, args)
+    n, got = h.size, host(act)
+    q, d = _quantize(host(h).reshape(1, n))
+    np.testing.assert_array_equal(got[:n].view(np.int8), q[0])
+    np.testing.assert_array_equal(got[n + n // 4:].view(np.float32), d[0])
+    halves = host(h).reshape(-1, 2, 16).astype(np.float64).sum(axis=-1)
+    np.testing.assert_allclose(got[n:n + n // 4].view(np.float32).reshape(-1, 2), halves, rtol=1e-5, atol=1e-5)
+    out = []
+    for a in (act, None):
+        y = xp.full((T, 70), np.nan, dtype=np.float32)
+        kernel, grid, block, args = ops.moe_down_sum_launch(down, flat, k, h, w, y, act_in=a)
+        kernel(grid, block, args)
+        out.append(host(y))
+    np.testing.assert_array_equal(out[0], out[1])
+    np.testing.assert_array_equal(host(ops.moe_experts(x, gate, up, down, xp.asarray(idx), w, 0.0)), out[0])
+    assert np.isfinite(out[0]).all() and np.abs(out[0]).max() > 0
+
+
+def test_routed_handover_refusals(cuda_backend, monkeypatch, rng):
+    """A gate/up that cannot write its output quantized, or a summed down given what it cannot take, says so."""
+    from ds4_backend_cuda import ops
+
+    monkeypatch.setenv(ops.INT8_ENV, "1")
+    xp = cuda_backend.xp
+    gate, up, down, x, idx, weights = _routed_case(cuda_backend, "Q8_0", rng, F=64)
+    flat, w = xp.asarray(idx.reshape(-1)), xp.asarray(weights)
+    h = xp.empty((6, 64), dtype=np.float32)
+    act = xp.empty(ops.act_bytes(h.size), dtype=np.uint8)
+    with pytest.raises(ValueError, match="cannot write its 384 values as a quantized activation of 528 bytes"):
+        ops.moe_gate_up_launch(gate, up, flat, x, 3, 0.0, h, int8=True, act_out=act)  # Q8_0: 16 rows a block
+    gate2 = _pair(cuda_backend, "Q2_K", (4, 64, 512), rng)[1]
+    with pytest.raises(ValueError, match="cannot write its 384 values"):
+        ops.moe_gate_up_launch(gate2, gate2, flat, x, 3, 0.0, h, int8=True, act_out=act[:-1])
+    with pytest.raises(ValueError, match="only the int8 kernels"):
+        ops.moe_gate_up_launch(gate2, gate2, flat, x, 3, 0.0, h, int8=False, act_out=act)
+    with pytest.raises(ValueError, match="splits its rows over warps cannot write"):
+        ops.moe_gate_up_launch(gate2, gate2, flat, x, 3, 0.0, h, int8=True, act_out=act, splits=2)
+    y = xp.empty((2, 70), dtype=np.float32)
+    with pytest.raises(ValueError, match="is 528 bytes; got 527"):
+        ops.moe_down_sum_launch(down, flat, 3, h, w, y, act_in=act[:-1])
+    many = xp.zeros(18, dtype=np.int32)
+    with pytest.raises(ValueError, match="takes 1 to 8 experts a token on the int8 path; got 9"):
+        ops.moe_down_sum_launch(down, many, 9, xp.empty((18, 64), np.float32), xp.ones((2, 9), np.float32), y)

@@ -103,27 +103,38 @@ class StepBuilder:
 
         return Weight("w", qtype, (experts, rows, ncols), device_blocks(qtype, experts * rows, ncols))
 
-    def gate_up(self, qtype: str, experts: int, rows: int, ncols: int, idx: Any, x: Any) -> Any:
-        """The fused routed gate/up/SwiGLU launch for the pairs ``idx`` against one token ``x [1, ncols]``."""
-        from ds4_backend_cuda.ops import moe_gate_up_launch
+    def gate_up(self, qtype: str, experts: int, rows: int, ncols: int, idx: Any, x: Any) -> tuple[Any, Any]:
+        """The fused routed gate/up/SwiGLU launch for the pairs ``idx`` against one token ``x [1, ncols]`` -> (its
+        output, the output quantized where the kernel hands it to the down projection as a decode step's does, else
+        None)."""
+        from ds4_backend_cuda.ops import act_bytes, gate_up_writes_activation, moe_gate_up_launch
 
         gate, up = (self._experts(qtype, experts, rows, ncols) for _ in range(2))
         pairs = idx.shape[0]
         h = self.cp.empty((pairs, rows), dtype=self.cp.float32)
+        act = self.cp.empty(act_bytes(h.size), self.cp.uint8) if gate_up_writes_activation(qtype, rows) else None
         self.outputs.append(h)
-        kernel, grid, block, args = moe_gate_up_launch(gate, up, idx, x, pairs, 0.0, h)
+        kernel, grid, block, args = moe_gate_up_launch(gate, up, idx, x, pairs, 0.0, h, act_out=act)
         self.launches.append(Launch(kernel, grid, block, args, 2 * pairs * rows * gate.data.shape[1]))
-        return h
+        return h, act
 
-    def experts(self, qtype: str, experts: int, rows: int, ncols: int, idx: Any, x: Any) -> Any:
-        """One routed-expert GEMV launch: pair ``p`` reads expert ``idx[p]`` against ``x[p]`` (or the one row)."""
-        from ds4_backend_cuda.ops import moe_gemv_launch
+    def down(self, qtype: str, experts: int, rows: int, ncols: int, idx: Any, h: Any, act: Any = None) -> Any:
+        """The routed experts' down projections of one token's pairs ``idx`` (``h [pairs, ncols]``, ``act`` its
+        quantized form or None) as a decode step launches them: with their weighted sum in one launch on the int8
+        path (``moe_down_sum_launch``), else one GEMV a pair."""
+        from ds4_backend_cuda.ops import WARPS_PER_BLOCK, moe_down_sum_launch, moe_gemv_launch, use_int8
 
+        cp = self.cp
         w = self._experts(qtype, experts, rows, ncols)
         pairs = idx.shape[0]
-        y = self.cp.empty((pairs, rows), dtype=self.cp.float32)
+        if use_int8(None, qtype) and pairs <= WARPS_PER_BLOCK:
+            y = cp.empty((1, rows), dtype=cp.float32)
+            weights = cp.full((1, pairs), 1 / pairs, dtype=cp.float32)
+            kernel, grid, block, args = moe_down_sum_launch(w, idx, pairs, h, weights, y, act_in=act)
+        else:
+            y = cp.empty((pairs, rows), dtype=cp.float32)
+            kernel, grid, block, args = moe_gemv_launch(w, idx, h, 1, y)
         self.outputs.append(y)
-        kernel, grid, block, args = moe_gemv_launch(w, idx, x, pairs if x.shape[0] == 1 else 1, y)
         self.launches.append(Launch(kernel, grid, block, args, pairs * rows * w.data.shape[1]))
         return y
 

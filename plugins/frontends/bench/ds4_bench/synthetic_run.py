@@ -28,9 +28,9 @@ def build_step(plan: Plan, seed: int = 0) -> device.Step:
     """The launches of ``plan`` over preallocated device buffers (the backend's own GEMV and routed-expert kernels).
 
     Each matrix reads its own random activation; a state read is a float32 GEMV over a buffer of its size. Routed
-    gate/up reads one random token; down reads the SwiGLU output, or, when its rows are padded, a separate
-    activation of the padded width whose padding is zero (copying the SwiGLU output into it is glue, which the step
-    leaves out like the rest of the elementwise work).
+    gate/up reads one random token; down reads the SwiGLU output (quantized by the gate/up where it hands it over),
+    or, when its rows are padded, a separate activation of the padded width whose padding is zero (copying the
+    SwiGLU output into it is glue, which the step leaves out like the rest of the elementwise work).
     """
     import cupy as cp
 
@@ -42,11 +42,11 @@ def build_step(plan: Plan, seed: int = 0) -> device.Step:
         elif isinstance(item, RoutedExperts):
             idx = cp.asarray(rng.choice(item.experts, item.k, replace=False).astype(np.int32))
             x = cp.asarray(rng.standard_normal((1, item.hidden), dtype=np.float32))
-            h = b.gate_up(item.gate_up, item.experts, item.inter, item.hidden, idx, x)
+            h, act = b.gate_up(item.gate_up, item.experts, item.inter, item.hidden, idx, x)
             if item.down_cols > item.inter:
-                h = cp.zeros((item.k, item.down_cols), dtype=cp.float32)
+                h, act = cp.zeros((item.k, item.down_cols), dtype=cp.float32), None
                 h[:, :item.inter] = cp.asarray(rng.standard_normal((item.k, item.inter), dtype=np.float32))
-            b.experts(item.down, item.experts, item.hidden, item.down_cols, idx, h)
+            b.down(item.down, item.experts, item.hidden, item.down_cols, idx, h, act)
         else:
             b.gemv("F32", item.rows, item.width)
     return b.step()

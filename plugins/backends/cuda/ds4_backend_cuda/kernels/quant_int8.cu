@@ -148,7 +148,8 @@ struct I8<IQ2_XXS> : IQ2_XXS {
     static __device__ __forceinline__ void fill(u8* table) {  // by all threads of the block
         for (int i = threadIdx.x; i < 256 * 8 / 16; i += blockDim.x)
             reinterpret_cast<uint4*>(table)[i] = reinterpret_cast<const uint4*>(iq2xxs_grid)[i];
-    }
+        __syncthreads();  // every warp reads the whole table, and with an activation read in place no other barrier
+    }                     // comes before the first read
     // Bit i of a nibble times 0x10204080 lands on bit 8i + 7, the top bit of byte i, and no two partial products
     // meet; prmt's sign mode (selector nibbles 8 to B) spreads each byte's top bit over the byte. Three instructions
     // a nibble where masking the products to bytes and widening them took four.
@@ -377,41 +378,44 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS) moe_gemv_i8(
     }
 }
 
-// Fused routed gate/up/SwiGLU on int8 activations (as moe_gate_up): each warp reads GEMV_ROWS gate rows and the
-// same up rows of expert idx[p] against x[p / x_div]; a negative id gives zeros, a null idx expert 0 for every pair.
-// Dynamic shared memory as moe_gemv_i8; with act_in (x one row), none: x's I8Act in global memory, read in place.
-// Blocks a multiprocessor each format's kernel is bounded to: Q8_0 and Q2_K as many as their registers give
-// unbounded (167 and 127); IQ2_XXS six (80 registers, a few spilled), so that a decode step's 6 routed experts take
-// one wave instead of 1.45 beside the shared expert's launch (alone no faster, 22.8 -> 23.1 µs; in 12-layer Flash
-// decode steps with the handed-over activations, medians of seven and six runs, 566 against 554 t/s).
+// Fused routed gate/up/SwiGLU on int8 activations (as moe_gate_up): GEMV_ROWS gate rows and the same up rows of
+// expert idx[p] against x[p / x_div], split over KS warps by chunks (GateUp<Q>::WARPS / KS row groups a block) and
+// summed in a fixed order; a negative id gives zeros, a null idx expert 0 for every pair. Dynamic shared memory as
+// moe_gemv_i8; with act_in (x one row), none: x's I8Act in global memory, read in place. act_out (not null; KS = 1,
+// a block's rows a group of 32, nrows a multiple of 32): h is also written there quantized, as the I8Act of all
+// P · nrows values one pair after the other, which moe_down_sum_i8 reads in place.
+// GateUp<Q>: warps a block and blocks a multiprocessor each format's kernel is bounded to. Q8_0 (the shared expert,
+// 168 registers) four warps, three blocks; the 2-bit formats eight warps, a block's 32 rows one group of act_out:
+// Q2_K two blocks (127 registers, unbounded); IQ2_XXS three (80 registers, a few spilled), so that a decode step's
+// 6 routed experts take one wave instead of 1.45 beside the shared expert's launch (alone no faster, 22.8 -> 23.1
+// µs; in 12-layer Flash decode steps with the handed-over activations, medians of seven and six runs, 566 against
+// 554 t/s, measured with blocks of four warps and six blocks).
 template <class Q>
-struct GateUpBlocks;
-template <>
-struct GateUpBlocks<Q8_0> {
-    static constexpr int MIN = 3;
+struct GateUp {
+    static constexpr int WARPS = 8, MIN = 2;
 };
 template <>
-struct GateUpBlocks<Q2_K> {
-    static constexpr int MIN = 4;
+struct GateUp<Q8_0> {
+    static constexpr int WARPS = 4, MIN = 3;
 };
 template <>
-struct GateUpBlocks<IQ2_XXS> {
-    static constexpr int MIN = 6;
+struct GateUp<IQ2_XXS> {
+    static constexpr int WARPS = 8, MIN = 3;
 };
 template <class Q>
-__global__ void __launch_bounds__(32 * GEMV_WARPS / 2, GateUpBlocks<Q>::MIN) moe_gate_up_i8(
+__global__ void __launch_bounds__(32 * GateUp<Q>::WARPS, GateUp<Q>::MIN) moe_gate_up_i8(
         const u8* __restrict__ wg, const u8* __restrict__ wu, long long expert_bytes, long long row_bytes,
         int nrows, int ncols, const int* __restrict__ idx, const float* __restrict__ x, int x_div, float limit,
-        float* __restrict__ h, const u8* __restrict__ act_in) {
-    constexpr int WARPS = GEMV_WARPS / 2;
+        float* __restrict__ h, int KS, const u8* __restrict__ act_in, u8* __restrict__ act_out) {
+    constexpr int WARPS = GateUp<Q>::WARPS;
     using D = WarpDot<I8<Q>, 2 * GEMV_ROWS, 1>;
     __shared__ uint4 stage[WARPS][D::SLOTS];
+    __shared__ float partial[WARPS][2 * GEMV_ROWS];
     __shared__ __align__(16) u8 table[I8Table<Q>::BYTES];
     I8<Q>::fill(table);  // constant data: before the wait, beside the previous kernel's tail
     grid_wait();
-    int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-    int p = blockIdx.y, e = idx ? idx[p] : 0;
-    int r0 = (blockIdx.x * WARPS + warp) * GEMV_ROWS;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, rg = warp / KS, ks = warp % KS;
+    const int p = blockIdx.y, e = idx ? idx[p] : 0, r0 = (blockIdx.x * (WARPS / KS) + rg) * GEMV_ROWS;
     float acc[2 * GEMV_ROWS] = {};
     const u8* row[2 * GEMV_ROWS];
 #pragma unroll
@@ -431,14 +435,87 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS / 2, GateUpBlocks<Q>::MIN) moe
             return act_in ? global_activation(act_in, ncols, 0)
                           : block_activation(x + (long long)(p / x_div) * ncols, ncols, 1);
         },
+        ks, KS, stage[warp], table, acc, [](int) {});
+    float g = 0.f, u = 0.f;  // lane j < GEMV_ROWS: row r0 + j's
+#pragma unroll
+    for (int j = 0; j < GEMV_ROWS; j++) {
+        const float gj = warp_sum(acc[j]), uj = warp_sum(acc[GEMV_ROWS + j]);
+        if (lane == j) {
+            g = gj;
+            u = uj;
+        }
+    }
+    if (KS > 1) {
+        if (lane < GEMV_ROWS) {
+            partial[warp][lane] = g;
+            partial[warp][GEMV_ROWS + lane] = u;
+        }
+        __syncthreads();
+        if (ks == 0 && lane < GEMV_ROWS) {
+            g = u = 0.f;
+            for (int i = 0; i < KS; i++) {
+                g += partial[warp + i][lane];
+                u += partial[warp + i][GEMV_ROWS + lane];
+            }
+        }
+    }
+    if (limit > 0) {
+        g = fminf(g, limit);
+        u = fminf(fmaxf(u, -limit), limit);
+    }
+    if (ks == 0 && lane < GEMV_ROWS && r0 + lane < nrows)
+        h[(long long)p * nrows + r0 + lane] = e >= 0 ? g / (1.0f + expf(-g)) * u : 0.f;
+    if constexpr (WARPS * GEMV_ROWS == 32) {
+        if (!act_out) return;
+        __syncthreads();  // the block's rows of h are written and visible to its threads
+        const int first = p * nrows + blockIdx.x * 32;
+        if (warp == 0) write_group(h[first + lane], first, gridDim.y * nrows, act_out);
+    }
+}
+
+// The routed experts' down projections of a token and their weighted sum, on int8 activations: out[t, r] =
+// sum_j wts[t, j] · (W_{idx[t, j]} h[t, j])[r] for j < k <= GEMV_WARPS; a negative id adds a zero row, as in
+// moe_gemv_i8. A block is k warps, warp j pair (t, j) over GEMV_ROWS rows; the warps' sums meet in shared memory and
+// are weighed in pair order, as hc_collapse weighs moe_gemv_i8's rows (the same bits), so the pairs' rows and the
+// launch that summed them are gone. h: T · k rows of ncols; act_in (not null): their I8Act, one pair after the
+// other, as moe_gate_up_i8's act_out wrote it, read in place; else each block quantizes its token's k rows into
+// dynamic shared memory (act_bytes(k · ncols)). grid (ceil(nrows / GEMV_ROWS), T).
+template <class Q>
+__global__ void __launch_bounds__(32 * GEMV_WARPS, 3) moe_down_sum_i8(
+        const u8* __restrict__ w, long long expert_bytes, long long row_bytes, int nrows, int ncols,
+        const int* __restrict__ idx, int k, const float* __restrict__ h, const float* __restrict__ wts,
+        float* __restrict__ out, const u8* __restrict__ act_in) {
+    using D = WarpDot<I8<Q>, GEMV_ROWS, 1>;
+    __shared__ uint4 stage[GEMV_WARPS][D::SLOTS];
+    __shared__ float sums[GEMV_WARPS][GEMV_ROWS];
+    __shared__ __align__(16) u8 table[I8Table<Q>::BYTES];
+    I8<Q>::fill(table);  // constant data: before the wait, beside the previous kernel's tail
+    grid_wait();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, t = blockIdx.y, e = idx[t * k + warp];
+    const int r0 = blockIdx.x * GEMV_ROWS;
+    float acc[GEMV_ROWS] = {};
+    warp_dot_i8<Q, GEMV_ROWS, false>(
+        [&](int, const u8* (&r)[GEMV_ROWS]) {
+#pragma unroll
+            for (int j = 0; j < GEMV_ROWS; j++)
+                r[j] = w + (long long)max(e, 0) * expert_bytes + (long long)min(r0 + j, nrows - 1) * row_bytes;
+            return warp * ncols;
+        },
+        e >= 0, ncols,
+        [&] {
+            return act_in ? global_activation(act_in, gridDim.y * k * ncols, t * k * ncols)
+                          : block_activation(h + (long long)t * k * ncols, ncols, k);
+        },
         0, 1, stage[warp], table, acc, [](int) {});
 #pragma unroll
     for (int j = 0; j < GEMV_ROWS; j++) {
-        float g = warp_sum(acc[j]), u = warp_sum(acc[GEMV_ROWS + j]);
-        if (limit > 0) {
-            g = fminf(g, limit);
-            u = fminf(fmaxf(u, -limit), limit);
-        }
-        if (lane == 0 && r0 + j < nrows) h[(long long)p * nrows + r0 + j] = e >= 0 ? g / (1.0f + expf(-g)) * u : 0.f;
+        const float s = warp_sum(acc[j]);
+        if (lane == j) sums[warp][j] = s;
+    }
+    __syncthreads();
+    if (threadIdx.x < GEMV_ROWS && r0 + (int)threadIdx.x < nrows) {
+        float y = 0.f;
+        for (int j = 0; j < k; ++j) y = fmaf(wts[t * k + j], sums[j][threadIdx.x], y);
+        out[(long long)t * nrows + r0 + threadIdx.x] = y;
     }
 }
