@@ -385,11 +385,11 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS) moe_gemv_i8(
 // a block's rows a group of 32, nrows a multiple of 32): h is also written there quantized, as the I8Act of all
 // P · nrows values one pair after the other, which moe_down_sum_i8 reads in place.
 // GateUp<Q>: warps a block and blocks a multiprocessor each format's kernel is bounded to. Q8_0 (the shared expert,
-// 168 registers) four warps, three blocks; the 2-bit formats eight warps, a block's 32 rows one group of act_out:
-// Q2_K two blocks (127 registers, unbounded); IQ2_XXS three (80 registers, a few spilled), so that a decode step's
-// 6 routed experts take one wave instead of 1.45 beside the shared expert's launch (alone no faster, 22.8 -> 23.1
-// µs; in 12-layer Flash decode steps with the handed-over activations, medians of seven and six runs, 566 against
-// 554 t/s, measured with blocks of four warps and six blocks).
+// 167 registers) four warps, three blocks; the 2-bit formats eight warps, a block's 32 rows one group of act_out:
+// Q2_K two blocks (126 registers); IQ2_XXS three (80 registers), so that a decode step's 6 routed experts take one
+// wave of 384 blocks beside the shared expert's launch (with blocks of four warps bounded to six a multiprocessor,
+// against 1.45 waves unbounded: in 12-layer Flash decode steps 566 against 554 t/s; as eight warps 22.5 -> 20.0 µs
+// alone, no longer spilling). Four blocks (64 registers) ran at 28.4 µs.
 template <class Q>
 struct GateUp {
     static constexpr int WARPS = 8, MIN = 2;
@@ -479,7 +479,8 @@ __global__ void __launch_bounds__(32 * GateUp<Q>::WARPS, GateUp<Q>::MIN) moe_gat
 // are weighed in pair order, as hc_collapse weighs moe_gemv_i8's rows (the same bits), so the pairs' rows and the
 // launch that summed them are gone. h: T · k rows of ncols; act_in (not null): their I8Act, one pair after the
 // other, as moe_gate_up_i8's act_out wrote it, read in place; else each block quantizes its token's k rows into
-// dynamic shared memory (act_bytes(k · ncols)). grid (ceil(nrows / GEMV_ROWS), T).
+// dynamic shared memory (act_bytes(k · ncols)). grid (ceil(nrows / GEMV_ROWS), T). Bounded to 80 registers: the
+// Q2_K kernel took 122 unbounded, which left a decode step's blocks of six warps two a multiprocessor instead of four.
 template <class Q>
 __global__ void __launch_bounds__(32 * GEMV_WARPS, 3) moe_down_sum_i8(
         const u8* __restrict__ w, long long expert_bytes, long long row_bytes, int nrows, int ncols,
