@@ -546,5 +546,8 @@ def test_routed_handover_refusals(cuda_backend, monkeypatch, rng):
     with pytest.raises(ValueError, match="is 528 bytes; got 527"):
         ops.moe_down_sum_launch(down, flat, 3, h, w, y, act_in=act[:-1])
     many = xp.zeros(18, dtype=np.int32)
-    with pytest.raises(ValueError, match="takes 1 to 8 experts a token on the int8 path; got 9"):
+    with pytest.raises(ValueError, match="takes 1 to 8 experts a token on the int8 path, rows of its 64 columns; "
+                                         "got 9 for 2 tokens"):
         ops.moe_down_sum_launch(down, many, 9, xp.empty((18, 64), np.float32), xp.ones((2, 9), np.float32), y)
+    with pytest.raises(ValueError, match="got 3 for 2 tokens and 6 rows of 32"):
+        ops.moe_down_sum_launch(down, flat, 3, h[:, :32], w, y)

@@ -342,9 +342,11 @@ def moe_down_sum_launch(w: Weight, idx: Any, k: int, h: Any, weights: Any, out: 
     read in its place."""
     _, nrows, ncols = w.shape
     T = out.shape[0]
-    if not (w.qtype in INT8_TYPES and 0 < k <= WARPS_PER_BLOCK and idx.size == h.shape[0] == T * k):
+    if not (w.qtype in INT8_TYPES and 0 < k <= WARPS_PER_BLOCK and idx.size == h.shape[0] == T * k
+            and h.shape[1] == ncols):
         raise ValueError(f"the summed down projection takes 1 to {WARPS_PER_BLOCK} experts a token on the int8 "
-                         f"path; got {k} for {T} tokens and {h.shape[0]} rows of {w.qtype}")
+                         f"path, rows of its {ncols} columns; got {k} for {T} tokens and {h.shape[0]} rows of "
+                         f"{h.shape[1]} ({w.qtype})")
     if act_in is not None and act_in.nbytes != act_bytes(h.size):
         raise ValueError(f"a quantized activation of {h.shape[0]} rows is {act_bytes(h.size)} bytes; got "
                          f"{act_in.nbytes} bytes")

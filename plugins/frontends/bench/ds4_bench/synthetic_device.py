@@ -103,31 +103,31 @@ class StepBuilder:
 
         return Weight("w", qtype, (experts, rows, ncols), device_blocks(qtype, experts * rows, ncols))
 
-    def gate_up(self, qtype: str, experts: int, rows: int, ncols: int, idx: Any, x: Any) -> tuple[Any, Any]:
+    def gate_up(self, qtype: str, experts: int, rows: int, ncols: int, idx: Any, x: Any,
+                quantized: bool = False) -> tuple[Any, Any]:
         """The fused routed gate/up/SwiGLU launch for the pairs ``idx`` against one token ``x [1, ncols]`` -> (its
-        output, the output quantized where the kernel hands it to the down projection as a decode step's does, else
-        None)."""
-        from ds4_backend_cuda.ops import act_bytes, gate_up_writes_activation, moe_gate_up_launch
+        output, with ``quantized`` the output also written as the down projections' int8 activation, else None)."""
+        from ds4_backend_cuda.ops import act_bytes, moe_gate_up_launch
 
         gate, up = (self._experts(qtype, experts, rows, ncols) for _ in range(2))
         pairs = idx.shape[0]
         h = self.cp.empty((pairs, rows), dtype=self.cp.float32)
-        act = self.cp.empty(act_bytes(h.size), self.cp.uint8) if gate_up_writes_activation(qtype, rows) else None
+        act = self.cp.empty(act_bytes(h.size), self.cp.uint8) if quantized else None
         self.outputs.append(h)
         kernel, grid, block, args = moe_gate_up_launch(gate, up, idx, x, pairs, 0.0, h, act_out=act)
         self.launches.append(Launch(kernel, grid, block, args, 2 * pairs * rows * gate.data.shape[1]))
         return h, act
 
     def down(self, qtype: str, experts: int, rows: int, ncols: int, idx: Any, h: Any, act: Any = None) -> Any:
-        """The routed experts' down projections of one token's pairs ``idx`` (``h [pairs, ncols]``, ``act`` its
-        quantized form or None) as a decode step launches them: with their weighted sum in one launch on the int8
-        path (``moe_down_sum_launch``), else one GEMV a pair."""
-        from ds4_backend_cuda.ops import WARPS_PER_BLOCK, moe_down_sum_launch, moe_gemv_launch, use_int8
+        """The routed experts' down projections of one token's pairs ``idx`` (``h [pairs, ncols]``): with ``act``,
+        its quantized form, their weighted sum in the same launch (``moe_down_sum_launch``), else one GEMV a
+        pair."""
+        from ds4_backend_cuda.ops import moe_down_sum_launch, moe_gemv_launch
 
         cp = self.cp
         w = self._experts(qtype, experts, rows, ncols)
         pairs = idx.shape[0]
-        if use_int8(None, qtype) and pairs <= WARPS_PER_BLOCK:
+        if act is not None:
             y = cp.empty((1, rows), dtype=cp.float32)
             weights = cp.full((1, pairs), 1 / pairs, dtype=cp.float32)
             kernel, grid, block, args = moe_down_sum_launch(w, idx, pairs, h, weights, y, act_in=act)

@@ -24,13 +24,23 @@ from .synthetic_plan import Matrix, Plan, RoutedExperts, SyntheticModel, fitting
 _SWIGLU_LIMIT = 10.0
 
 
+def _sums(item: RoutedExperts) -> bool:
+    """Whether a decode step hands the routed gate/up's output to one launch of the down projections and their sum,
+    as ``ds4_backend_cuda.ops.moe_experts`` does."""
+    from ds4_backend_cuda.ops import WARPS_PER_BLOCK, gate_up_writes_activation, use_int8
+
+    return (use_int8(None, item.down) and item.k <= WARPS_PER_BLOCK and item.down_cols == item.inter
+            and gate_up_writes_activation(item.gate_up, item.inter))
+
+
 def build_step(plan: Plan, seed: int = 0) -> device.Step:
     """The launches of ``plan`` over preallocated device buffers (the backend's own GEMV and routed-expert kernels).
 
     Each matrix reads its own random activation; a state read is a float32 GEMV over a buffer of its size. Routed
-    gate/up reads one random token; down reads the SwiGLU output (quantized by the gate/up where it hands it over),
-    or, when its rows are padded, a separate activation of the padded width whose padding is zero (copying the
-    SwiGLU output into it is glue, which the step leaves out like the rest of the elementwise work).
+    gate/up reads one random token; down reads the SwiGLU output (quantized by the gate/up, and summed in its
+    launch, where a decode step does so), or, when its rows are padded, a separate activation of the padded width
+    whose padding is zero (copying the SwiGLU output into it is glue, which the step leaves out like the rest of the
+    elementwise work).
     """
     import cupy as cp
 
@@ -42,9 +52,9 @@ def build_step(plan: Plan, seed: int = 0) -> device.Step:
         elif isinstance(item, RoutedExperts):
             idx = cp.asarray(rng.choice(item.experts, item.k, replace=False).astype(np.int32))
             x = cp.asarray(rng.standard_normal((1, item.hidden), dtype=np.float32))
-            h, act = b.gate_up(item.gate_up, item.experts, item.inter, item.hidden, idx, x)
+            h, act = b.gate_up(item.gate_up, item.experts, item.inter, item.hidden, idx, x, _sums(item))
             if item.down_cols > item.inter:
-                h, act = cp.zeros((item.k, item.down_cols), dtype=cp.float32), None
+                h = cp.zeros((item.k, item.down_cols), dtype=cp.float32)
                 h[:, :item.inter] = cp.asarray(rng.standard_normal((item.k, item.inter), dtype=np.float32))
             b.down(item.down, item.experts, item.hidden, item.down_cols, idx, h, act)
         else:
