@@ -321,13 +321,20 @@ def test_sparse_attention_in_token_passes(cuda_backend, with_sinks, rng, monkeyp
     np.testing.assert_allclose(got, ref.sparse_attention(q, kv, idx, sinks_ref, d ** -0.5), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize(("T", "E", "k"), [(5, 16, 4), (1, 256, 6), (3, 40, 8)])
-def test_moe_route(cuda_backend, rng, T, E, k):
-    """Flash's 256 experts, a count that is not a whole number of warps, and ties (rounded logits, no bias)."""
+# The first three and the many ties take route_choose's two rounds (warps' candidates, then their ranks); (2, 40, 12)
+# has more candidates than experts and (1, 100, 40) k over a warp: both count over all experts.
+@pytest.mark.parametrize(("T", "E", "k"), [(5, 16, 4), (1, 256, 6), (3, 40, 8), (2, 40, 12), (1, 100, 40)])
+@pytest.mark.parametrize("ties", ["some", "many"])
+def test_moe_route(cuda_backend, rng, T, E, k, ties):
+    """Flash's 256 experts, a count that is not a whole number of warps, and ties (rounded logits, no bias): some,
+    or logits of five values, so that equal choices lie in every warp and the lower index must win across warps."""
     from ds4_backend_cuda import ops
 
     logits = rng.standard_normal((T, E), dtype=np.float32) * 4
-    logits[:, ::3] = np.round(logits[:, ::3])
+    if ties == "some":
+        logits[:, ::3] = np.round(logits[:, ::3])
+    else:
+        logits = np.clip(np.round(logits / 4), -2, 2).astype(np.float32)
     bias_ref, bias = _pair(cuda_backend, "F32", (E,), rng)
     xp = cuda_backend.asarray
     cases = ((bias_ref, bias, None), (None, None, None), (None, None, rng.integers(0, E, (T, k)).astype(np.int32)))

@@ -21,6 +21,7 @@ from .ops import (
     GEMV_TOKENS,
     Int8Rows,
     act_bytes,
+    block_counts,
     int8_enabled,
     linear,
     rms_norm,
@@ -102,6 +103,12 @@ def _split_norm_fits(T: int, n: int, D: int) -> bool:
     return 0 < T and n == HC_NORM_STREAMS and D % 4 == 0 and D <= HC_NORM_COLUMNS and _sliced(T, n * D)
 
 
+def _act_of(T: int, D: int) -> Any:
+    """Where a hyper-connection's normalised collapse of ``T`` tokens of width ``D`` is also written as the int8
+    activation of the GEMVs after it (:class:`Int8Rows`): one token on the int8 decode path; else None."""
+    return cp.empty(act_bytes(D), cp.uint8) if T == 1 and D % ACT_GROUP == 0 and int8_enabled() else None
+
+
 def _split_norm(S: Any, slices: int, part: Any, scale: Weight, base: Weight, iters: int, eps: float,
                 norm_eps: float, norm: Weight) -> tuple[Any, Any, Any]:
     """(normalised collapse ``[T, D]``, post, comb) of the streams ``S`` from their mix's column slices ``part`` (a
@@ -109,7 +116,7 @@ def _split_norm(S: Any, slices: int, part: Any, scale: Weight, base: Weight, ite
     path: the collapse is also written quantized, as the int8 GEMVs after it would quantize it (:class:`Int8Rows`)."""
     T, n, D = S.shape
     pre, post, comb, out = cp.empty((T, n), F32), cp.empty((T, n), F32), cp.empty((T, n, n), F32), cp.empty((T, D), F32)
-    act = cp.empty(act_bytes(D), cp.uint8) if T == 1 and D % ACT_GROUP == 0 and int8_enabled() else None
+    act = _act_of(T, D)
     sinks = -(-T // HC_NORM_THREADS) if slices == 1 else T  # Sinkhorn blocks: HC_SINKS in kernels/hc.cu
     glue_kernel("hc_split_norm_rows" if slices == 1 else "hc_split_norm")((sinks + T,), (HC_NORM_THREADS,), (
         part, np.int32(part.strides[0] // 4), np.int32(slices), np.int32(n * D), F32(norm_eps),
@@ -170,9 +177,9 @@ def hc_post_pre_norm(S: Any, ys: tuple[Any, ...], post: Any, comb: Any, fn: Weig
                      iters: int, eps: float, norm_eps: float, norm: Weight) -> tuple[Any, Any, Any, Any]:
     """:func:`hc_post` of the sum of the sub-layer's outputs ``ys``, then :func:`hc_pre_norm` of its streams ->
     (streams, normalised input, post, comb): a decode step's few tokens of four streams take one launch for the sum
-    (of up to two outputs: a MoE's routed and shared experts), the expansion and the next mix (``hc_expand_mix``),
-    one for the rest; a prefill's, one for the sum, the expansion and the streams' squares (``hc_expand_rows``), the
-    mix's GEMM and ``hc_split_norm``."""
+    (of up to two outputs: a MoE's routed and shared experts), the expansion, the next mix, and in each token's last
+    block to finish the split, the collapse and its norm (``hc_expand_mix_norm``); a prefill's, one for the sum, the
+    expansion and the streams' squares (``hc_expand_rows``), the mix's GEMM and ``hc_split_norm``."""
     T, n, D = S.shape
     if len(ys) <= 2 and _prefill_norm_fits(T, n, D):  # the expansion also sums the outputs and squares the streams
         S, M = cp.ascontiguousarray(S, dtype=F32), (2 + n) * n
@@ -186,15 +193,19 @@ def hc_post_pre_norm(S: Any, ys: tuple[Any, ...], post: Any, comb: Any, fn: Weig
         S = hc_post(S, functools.reduce(operator.add, ys), post, comb)
         return (S, *hc_pre_norm(S, fn, scale, base, iters, eps, norm_eps, norm))
     S = cp.ascontiguousarray(S, dtype=F32)
-    out, M = cp.empty_like(S), (2 + n) * n
-    slices = n * D // MIX_SLICE
+    out, M, slices = cp.empty_like(S), (2 + n) * n, n * D // MIX_SLICE
     part = cp.empty((T, M + 1, slices), F32)
+    pre2, post2, comb2 = cp.empty((T, n), F32), cp.empty((T, n), F32), cp.empty((T, n, n), F32)
+    normed = cp.empty((T, D), F32)
+    act = _act_of(T, D)
     y2 = cp.ascontiguousarray(ys[1], dtype=F32) if len(ys) == 2 else np.uint64(0)
-    quant_kernel("hc_expand_mix", fn.qtype)((slices, T), (256,), (
-        fn.data, np.int64(fn.data.shape[1]), np.int32(M), S, cp.ascontiguousarray(ys[0], dtype=F32), y2,
-        cp.ascontiguousarray(post, dtype=F32), cp.ascontiguousarray(comb, dtype=F32), np.int32(n), np.int32(D), out,
-        part))
-    return (out, *_split_norm(out, slices, part, scale, base, iters, eps, norm_eps, norm))
+    quant_kernel("hc_expand_mix_norm", fn.qtype)((slices, T), (HC_NORM_THREADS + 32,), (
+        fn.data, np.int64(fn.data.shape[1]), S, cp.ascontiguousarray(ys[0], dtype=F32), y2,
+        cp.ascontiguousarray(post, dtype=F32), cp.ascontiguousarray(comb, dtype=F32), np.int32(D), out, part,
+        block_counts(fn), F32(norm_eps), cp.ascontiguousarray(values(scale), dtype=F32),
+        cp.ascontiguousarray(values(base), dtype=F32), np.int32(iters), F32(eps), pre2, post2, comb2,
+        cp.ascontiguousarray(values(norm), dtype=F32), normed, np.uint64(0) if act is None else act))
+    return out, (normed if act is None else Int8Rows.of(normed, act)), post2, comb2
 
 
 def hc_post(S: Any, y: Any, post: Any, comb: Any) -> Any:

@@ -1,11 +1,11 @@
 """Compilation of the ``.cu`` sources through ``cupy.RawModule`` (NVRTC), once per process.
 
-Each weight format gets its own module (six kernels; the formats of :data:`INT8_TYPES` also get the integer
-decode kernels of ``quant_int8.cu``, compiled after ``quant.cu`` in the same module), so the formats compile in
-parallel threads and a process that needs one format compiles only that one; the recurrent-layer kernels, the
-small glue kernels of a decode step and the sampling kernels are three more modules. CuPy keys
-its on-disk kernel cache by source text and options, so an unchanged source compiles once per machine;
-:func:`warm` forces that at load time rather than at the first token.
+Each weight format gets its own module (the kernels of :data:`QUANT_KERNELS`; the formats of :data:`INT8_TYPES`
+also get the integer decode kernels of ``quant_int8.cu``, compiled after ``quant.cu`` in the same module), so the
+formats compile in parallel threads and a process that needs one format compiles only that one; the recurrent-layer
+kernels, the small glue kernels of a decode step and the sampling kernels are three more modules. CuPy keys its
+on-disk kernel cache by source text and options, so an unchanged source compiles once per machine; :func:`warm`
+forces that at load time rather than at the first token.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ QUANT_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q
 #: Kernel names of :func:`quant_kernel` -> template instantiation in quant.cu (``Q`` is the format struct).
 QUANT_KERNELS: dict[str, str] = {"gemv1": "gemv<Q, 1>", "gemv8": "gemv<Q, 8>", "moe_gemv": "moe_gemv<Q>",
                                  "moe_gate_up": "moe_gate_up<Q>", "dequant_rows": "dequant_rows<Q>",
-                                 "mix_slices": "mix_slices<Q>", "hc_expand_mix": "hc_expand_mix<Q>"}
+                                 "mix_slices": "mix_slices<Q>", "hc_expand_mix_norm": "hc_expand_mix_norm<Q>"}
 #: Formats with integer decode kernels (int8 activations, ``__dp4a``) and those kernels' instantiations.
 INT8_TYPES: tuple[str, ...] = ("Q8_0", "Q2_K", "IQ2_XXS")
 INT8_KERNELS: dict[str, str] = {"gemv1_i8": "gemv_i8<Q>", "moe_gemv_i8": "moe_gemv_i8<Q>",
@@ -43,8 +43,10 @@ def source(name: str) -> str:
 
 def program(*names: str) -> str:
     """The sources ``names`` of one module, after ``pdl.cuh`` (``grid_wait``, which their kernels call),
-    ``reduce.cuh`` (``block_sum``) and ``act.cuh`` (the int8 activation's writers)."""
-    return "\n".join(source(name) for name in ("pdl.cuh", "reduce.cuh", "act.cuh", *names))
+    ``reduce.cuh`` (``block_sum``), ``act.cuh`` (the int8 activation's writers) and ``hc_norm.cuh`` (the
+    hyper-connection's split and collapse, which the glue module's kernels and quant.cu's ``hc_expand_mix_norm``
+    share)."""
+    return "\n".join(source(name) for name in ("pdl.cuh", "reduce.cuh", "act.cuh", "hc_norm.cuh", *names))
 
 
 #: Options of the sm_90a modules (Hopper's architecture-specific instructions, such as ``wgmma``).

@@ -903,8 +903,18 @@ def route_topk(logits: Any, bias: Weight | None, kind: int, k: int, normalize: b
 #: ``route_linear_topk``'s threads a block (the most experts it chooses among) and router rows a block
 #: (ROUTER_THREADS and ROUTER_ROWS in ``kernels/route.cu``), and the formats of the rows it reads.
 _ROUTER_THREADS, _ROUTER_ROWS, _ROUTER_FORMATS = 256, 2, {"F32": 0, "F16": 1, "BF16": 2}
-#: Per router weight (by address), the launches' counts of finished blocks per token, which the last block resets.
-_router_counts: dict[int, Any] = {}
+#: Per weight (by address), the counts of finished blocks per token of the launches that read it and finish a
+#: token's work in its last block (which resets the count).
+_block_counts: dict[int, Any] = {}
+
+
+def block_counts(w: Weight) -> Any:
+    """The int32 counts ``[GEMV_TOKENS]`` of the last-block launches that read ``w``, zeros when new: made before a
+    decode step is recorded (its first steps run eagerly), and reset by every launch that uses them."""
+    count = _block_counts.get(w.data.data.ptr)
+    if count is None:
+        count = _block_counts[w.data.data.ptr] = cp.zeros(GEMV_TOKENS, dtype=cp.int32)
+    return count
 
 
 def moe_gate_route(x: Any, gate: Weight, bias: Weight | None, k: int, routed_scale: float,
@@ -917,9 +927,7 @@ def moe_gate_route(x: Any, gate: Weight, bias: Weight | None, k: int, routed_sca
     if fixed_idx is not None or fmt is None or not (0 < T <= GEMV_TOKENS and 0 < k <= E <= _ROUTER_THREADS
                                                     and D % 8 == 0):
         return moe_route(linear(x, gate), bias, k, routed_scale, fixed_idx)
-    count = _router_counts.get(gate.data.data.ptr)
-    if count is None:
-        count = _router_counts[gate.data.data.ptr] = cp.zeros(GEMV_TOKENS, dtype=cp.int32)
+    count = block_counts(gate)
     logits, idx, w = cp.empty((T, E), F32), cp.empty((T, k), dtype=cp.int32), cp.empty((T, k), F32)
     b = values_or_null(bias)
     glue_kernel("route_linear_topk")((-(-E // _ROUTER_ROWS), T), (_ROUTER_THREADS,), (

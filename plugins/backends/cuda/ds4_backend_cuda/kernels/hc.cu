@@ -3,20 +3,6 @@
 // per layer on a few dozen floats; here each is one launch, so a recorded decode step stays short.
 
 #define HC_MAX 8
-// float4 slice sums a lane of hc_split loads before adding them (64 slices: K = 16384 columns in one round).
-#define HC_SLICE_LOADS 16
-
-__device__ __forceinline__ float hc_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
-
-// The Sinkhorn iterations divide by a row's or column's sum as a product with its approximate reciprocal (one MUFU
-// instruction, within 1 ulp; the product within 2): an IEEE division is a dozen dependent instructions, 41 of them
-// in a row. Products and the first step's + eps are rounded explicitly, so both forms below give the same bits.
-__device__ __forceinline__ float hc_rcp(float x) {
-    float r;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-    return r;
-}
-
 // v summed over the lanes that differ from this one in the bits FROM .. TO / 2 (powers of two).
 template <int FROM, int TO>
 __device__ __forceinline__ float butterfly_sum(float v) {
@@ -116,108 +102,6 @@ __device__ void hc_split_warp(const float* __restrict__ m, const float* __restri
         if (lane + 32 * h < N * N) comb[lane + 32 * h] = c[h];
 }
 
-// hc_split_warp<4> with the Sinkhorn iterations in one lane: the 4 × 4 matrix in its registers, rows and columns
-// summed in the order of the butterflies (pairs, then the pairs' sums), so every result has the same bits, but
-// without a shuffle in the 41 dependent steps (a step is four sums, four reciprocals and 16 products, side by
-// side). Lanes 0-3 write pre and post, lane 0 comb; alone: the calling thread writes them all.
-__device__ __forceinline__ void hc_split4_lane(const float* m, const float* __restrict__ scale,
-                                               const float* __restrict__ base, int iters, float eps,
-                                               float* __restrict__ pre, float* __restrict__ post,
-                                               float* __restrict__ comb, bool alone = false) {
-    const int lane = threadIdx.x & 31;
-    if (alone) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            pre[i] = hc_sigmoid(m[i] * scale[0] + base[i]) + eps;
-            post[i] = 2.f * hc_sigmoid(m[4 + i] * scale[1] + base[4 + i]);
-        }
-    } else if (lane < 4) {
-        pre[lane] = hc_sigmoid(m[lane] * scale[0] + base[lane]) + eps;
-        post[lane] = 2.f * hc_sigmoid(m[4 + lane] * scale[1] + base[4 + lane]);
-    }
-    if (!alone && lane != 0) return;
-    float c[16], sum[4];
-#pragma unroll
-    for (int e = 0; e < 16; ++e) c[e] = m[8 + e] * scale[2] + base[8 + e];
-    auto row_sums = [&]() {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) sum[r] = (c[4 * r] + c[4 * r + 1]) + (c[4 * r + 2] + c[4 * r + 3]);
-    };
-    auto column_sums = [&]() {
-#pragma unroll
-        for (int k = 0; k < 4; ++k) sum[k] = (c[k] + c[k + 4]) + (c[k + 8] + c[k + 12]);
-    };
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {  // row softmax, then + eps: the first iteration's row step
-        const float peak = fmaxf(fmaxf(c[4 * r], c[4 * r + 1]), fmaxf(c[4 * r + 2], c[4 * r + 3]));
-#pragma unroll
-        for (int k = 0; k < 4; ++k) c[4 * r + k] = expf(c[4 * r + k] - peak);
-    }
-    float inv[4];
-    row_sums();
-#pragma unroll
-    for (int r = 0; r < 4; ++r) inv[r] = hc_rcp(sum[r]);
-#pragma unroll
-    for (int e = 0; e < 16; ++e) c[e] = __fmaf_rn(c[e], inv[e / 4], eps);
-    for (int it = 0; it < iters; ++it) {
-        if (it > 0) {
-            row_sums();
-#pragma unroll
-            for (int r = 0; r < 4; ++r) inv[r] = hc_rcp(sum[r] + eps);
-#pragma unroll
-            for (int e = 0; e < 16; ++e) c[e] = __fmul_rn(c[e], inv[e / 4]);
-        }
-        column_sums();
-#pragma unroll
-        for (int k = 0; k < 4; ++k) inv[k] = hc_rcp(sum[k] + eps);
-#pragma unroll
-        for (int e = 0; e < 16; ++e) c[e] = __fmul_rn(c[e], inv[e % 4]);
-    }
-    float4* out = reinterpret_cast<float4*>(comb);  // comb is 16-byte aligned (a token's 16 floats)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) out[r] = make_float4(c[4 * r], c[4 * r + 1], c[4 * r + 2], c[4 * r + 3]);
-}
-
-// Token t's mix row m [(2+n)·n] from the column slices of mix_slices (quant.cu): part [M + 1, slices] holds the
-// slices' products and sums of squares over K columns (slices a multiple of 4, or 1: the whole rows' products and
-// sum of squares, as a prefill's GEMM and row_squares make them); lanes sum rows' slices (and the squares' slices
-// once), in slice order. By one warp; the row is in m when it returns.
-__device__ void hc_mix_row(float* __restrict__ m, const float* __restrict__ part, int M, int slices, int K,
-                           float norm_eps) {
-    if (slices == 1) {
-        const float root = sqrtf(part[M] / (float)K + norm_eps);
-        for (int r = threadIdx.x & 31; r < M; r += 32) m[r] = part[r] / root;
-        __syncwarp();
-        return;
-    }
-    const float4* p = reinterpret_cast<const float4*>(part);
-    const int q = slices / 4, lane = threadIdx.x & 31;
-    float squares = 0.f;
-    for (int r0 = 0; r0 < M; r0 += 32) {
-        const int r = min(r0 + lane, M - 1);
-        float row = 0.f;
-        for (int i0 = 0; i0 < q; i0 += HC_SLICE_LOADS) {  // a round's loads are all in flight at once
-            float4 a[HC_SLICE_LOADS], b[HC_SLICE_LOADS];
-#pragma unroll
-            for (int i = 0; i < HC_SLICE_LOADS; ++i) {
-                if (i0 + i < q) {
-                    a[i] = p[r * q + i0 + i];
-                    if (r0 == 0) b[i] = p[M * q + i0 + i];
-                }
-            }
-#pragma unroll
-            for (int i = 0; i < HC_SLICE_LOADS; ++i) {
-                if (i0 + i < q) {
-                    row = row + a[i].x + a[i].y + a[i].z + a[i].w;
-                    if (r0 == 0) squares = squares + b[i].x + b[i].y + b[i].z + b[i].w;
-                }
-            }
-        }
-        if (r0 + lane < M) m[r] = row / sqrtf(squares / (float)K + norm_eps);
-    }
-    __syncwarp();  // the row is read back by other lanes of this warp
-}
-
 __device__ void hc_split_token(const float* __restrict__ m, const float* __restrict__ scale,
                                const float* __restrict__ base, int n, int iters, float eps, float* __restrict__ pre,
                                float* __restrict__ post, float* __restrict__ comb) {
@@ -255,14 +139,9 @@ extern "C" __global__ void hc_split(float* __restrict__ mix, const float* __rest
 // of after it. With slices, a block a token (its warp 0 makes the mix row in shared memory); with one slice (a
 // prefill's GEMM made the rows, and hc_mix_row's division is all that is left) a thread a token: a block a token held
 // a whole block's registers for one lane, and a prefill's tokens waited for them in waves. The other T blocks
-// collapse a token each: warp 0 makes the mix row and pre; every thread loads its column quads of all streams at once
-// (one memory round trip; a loop over streams and columns waited for each load in turn), collapses and normalises
-// them. Three launches of a decode step's hyper-connection became one. HC_NORM_THREADS threads (the registers of the
-// Sinkhorn and the slice sums), D a multiple of 4 up to 4 · HC_QUADS · HC_NORM_THREADS; n = HC_NORM_STREAMS, the
-// models' 4. part's tokens are ld floats apart. Grid: HC_SINKS(T, slices) + T blocks.
-#define HC_QUADS 4
-#define HC_NORM_THREADS 256
-#define HC_NORM_STREAMS 4  // hc_split4_lane's
+// collapse a token each (hc_norm_token), warp 0 making the mix row and pre meanwhile. Three launches of a decode
+// step's hyper-connection became one. HC_NORM_THREADS threads (the registers of the Sinkhorn and the slice sums);
+// n = HC_NORM_STREAMS, the models' 4. part's tokens are ld floats apart. Grid: HC_SINKS(T, slices) + T blocks.
 #define HC_SINKS(T, slices) ((slices) == 1 ? ((T) + HC_NORM_THREADS - 1) / HC_NORM_THREADS : (T))
 __device__ __forceinline__ void hc_split_norm_body(
         const float* __restrict__ part, int ld, int slices, int K, float norm_eps,
@@ -270,7 +149,7 @@ __device__ __forceinline__ void hc_split_norm_body(
         float* __restrict__ post, float* __restrict__ comb, const float* __restrict__ S, int D,
         const float* __restrict__ w, float* __restrict__ out, int T, unsigned char* __restrict__ act) {
     constexpr int N = HC_NORM_STREAMS, M = (2 + N) * N;
-    __shared__ float weight[N], partial[32], row[M];
+    __shared__ float weight[N], row[M];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sinks = HC_SINKS(T, slices);
     if ((int)blockIdx.x < sinks) {
         if (slices == 1) {
@@ -291,47 +170,13 @@ __device__ __forceinline__ void hc_split_norm_body(
         }
         return;
     }
-    const int t = blockIdx.x - sinks;
+    const size_t t = blockIdx.x - sinks;
     if (warp == 0) {
-        hc_mix_row(row, part + (size_t)t * ld, M, slices, K, norm_eps);
+        hc_mix_row(row, part + t * ld, M, slices, K, norm_eps);
         if (lane < N) weight[lane] = hc_sigmoid(row[lane] * scale[0] + base[lane]) + eps;
     }
-    const float4* s = reinterpret_cast<const float4*>(S + (size_t)t * N * D);
-    const float4* w4 = reinterpret_cast<const float4*>(w);
-    const int D4 = D / 4;
-    float4 v[HC_QUADS][N], g[HC_QUADS];
-#pragma unroll
-    for (int k = 0; k < HC_QUADS; ++k) {  // loads before the barrier: they do not need pre
-        const int d = threadIdx.x + k * blockDim.x;
-#pragma unroll
-        for (int i = 0; i < N; ++i) v[k][i] = d < D4 ? s[(size_t)i * D4 + d] : make_float4(0.f, 0.f, 0.f, 0.f);
-        g[k] = d < D4 ? w4[d] : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    __syncthreads();
-    float4 c[HC_QUADS];
-    float ss = 0.f;
-#pragma unroll
-    for (int k = 0; k < HC_QUADS; ++k) {
-        c[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-        for (int i = 0; i < N; ++i) {
-            c[k].x = fmaf(weight[i], v[k][i].x, c[k].x);
-            c[k].y = fmaf(weight[i], v[k][i].y, c[k].y);
-            c[k].z = fmaf(weight[i], v[k][i].z, c[k].z);
-            c[k].w = fmaf(weight[i], v[k][i].w, c[k].w);
-        }
-        ss = fmaf(c[k].x, c[k].x, fmaf(c[k].y, c[k].y, fmaf(c[k].z, c[k].z, fmaf(c[k].w, c[k].w, ss))));
-    }
-    const float root = sqrtf(block_sum(ss, partial) / (float)D + norm_eps);
-    float4* o = reinterpret_cast<float4*>(out + (size_t)t * D);
-#pragma unroll
-    for (int k = 0; k < HC_QUADS; ++k) {
-        const int d = threadIdx.x + k * blockDim.x;
-        const float4 y = make_float4(c[k].x / root * g[k].x, c[k].y / root * g[k].y, c[k].z / root * g[k].z,
-                                     c[k].w / root * g[k].w);
-        if (d < D4) o[d] = y;
-        if (act) write_quad_group(y, d, D, act + (size_t)t * (D + D / 4 + D / 8));
-    }
+    hc_norm_token(S + t * N * D, D, w, norm_eps, out + t * D, act ? act + t * (D + D / 4 + D / 8) : nullptr, weight,
+                  [] { __syncthreads(); });
 }
 
 // A decode step's entry (its few blocks take every register they need) and a prefill's (two blocks a
@@ -389,7 +234,7 @@ extern "C" __global__ void hc_expand(const float* __restrict__ S, const float* _
 #pragma unroll
         for (int i = 0; i < HC_MAX; ++i)
             if (i < n) mixed = fmaf(c[i * n + k], s[i], mixed);
-        out[(t * n + k) * D + d] = fmaf(post[t * n + k], yd, mixed);  // as hc_expand_mix (kernels/quant.cu)
+        out[(t * n + k) * D + d] = fmaf(post[t * n + k], yd, mixed);  // as expand_mix_slice (kernels/quant.cu)
     }
 }
 

@@ -583,9 +583,22 @@ __device__ __forceinline__ void mix_slice(const u8* __restrict__ fn, long long r
     }
 }
 
+// The blocks of fn that mix_slice's thread decodes, prefetched into L1: constant data, so a kernel issues this before
+// grid_wait, and the decode after the wait finds fn on chip instead of waiting on memory a second time.
+template <class Q>
+__device__ __forceinline__ void mix_slice_prefetch(const u8* __restrict__ fn, long long row_bytes, int M) {
+    const int c = 256 * blockIdx.x + 8 * (threadIdx.x & 31);
+    for (int r = threadIdx.x / 32; r < M; r += 8) {
+        const u8* b = fn + r * row_bytes + (long long)(c / Q::QK) * Q::BYTES;
+        asm volatile("prefetch.global.L1 [%0];" ::"l"(b));
+        asm volatile("prefetch.global.L1 [%0];" ::"l"(b + Q::BYTES - 1));
+    }
+}
+
 template <class Q>
 __global__ void __launch_bounds__(256) mix_slices(const u8* __restrict__ fn, long long row_bytes, int M, int K,
                                                   const float* __restrict__ x, float* __restrict__ part) {
+    mix_slice_prefetch<Q>(fn, row_bytes, M);
     grid_wait();
     const int c = 256 * blockIdx.x + 8 * (threadIdx.x & 31);
     const float4* xv = reinterpret_cast<const float4*>(x + (long long)blockIdx.y * K + c);
@@ -593,16 +606,16 @@ __global__ void __launch_bounds__(256) mix_slices(const u8* __restrict__ fn, lon
 }
 
 // hc_expand (kernels/hc.cu, same arithmetic) of a slice's columns, then mix_slices of the expanded streams: one
-// sub-layer's output spread over the streams and the next sub-layer's mix in one launch. out[t, k, d] =
-// post[t, k] · y[t, d] + sum_i comb[t, i, k] · S[t, i, d] for n streams of D columns (D a multiple of 256, so a slice
-// lies in one stream), where y is y + y2 when y2 is not null (a MoE's two outputs, added as a separate sum would);
-// the first warp writes the slice to out, all warps mix it.
+// sub-layer's output spread over the streams and the next sub-layer's mix. out[t, k, d] = post[t, k] · y[t, d] +
+// sum_i comb[t, i, k] · S[t, i, d] for n streams of D columns (D a multiple of 256, so a slice lies in one stream),
+// where y is y + y2 when y2 is not null (a MoE's two outputs, added as a separate sum would); by the block's first
+// eight warps: the first writes the slice to out, all mix it.
 template <class Q>
-__global__ void __launch_bounds__(256) hc_expand_mix(
-        const u8* __restrict__ fn, long long row_bytes, int M, const float* __restrict__ S,
-        const float* __restrict__ y, const float* __restrict__ y2, const float* __restrict__ post,
-        const float* __restrict__ comb, int n, int D, float* __restrict__ out, float* __restrict__ part) {
-    grid_wait();
+__device__ __forceinline__ void expand_mix_slice(const u8* __restrict__ fn, long long row_bytes, int M,
+                                                 const float* __restrict__ S, const float* __restrict__ y,
+                                                 const float* __restrict__ y2, const float* __restrict__ post,
+                                                 const float* __restrict__ comb, int n, int D, float* __restrict__ out,
+                                                 float* __restrict__ part) {
     const int c = 256 * blockIdx.x + 8 * (threadIdx.x & 31), k = c / D, d = c % D;
     const long long t = blockIdx.y;
     const float* ct = comb + t * n * n;
@@ -635,6 +648,50 @@ __global__ void __launch_bounds__(256) hc_expand_mix(
         o[1] = xb;
     }
     mix_slice<Q>(fn, row_bytes, M, c, xa, xb, part);
+}
+
+// A sub-layer's end and the next one's input in one launch: expand_mix_slice of slice s = blockIdx.x of token
+// t = blockIdx.y (the HC_NORM_STREAMS streams S [T, n, D] and the output y (+ y2) into out, and the new streams'
+// mix into part [T, M + 1, slices]), then, in the last block of token t to finish (count[t] counts them, and that
+// block sets it back to 0), hc_split_norm's work on the new streams: warp 0 makes the mix row and pre, the first
+// HC_NORM_THREADS threads collapse and normalise the streams with weight w into normed [T, D] (and act, not null
+// for one token: its int8 activation), and the extra warp runs the Sinkhorn meanwhile, into pre2, post2 and comb2.
+// The same bits as hc_expand, mix_slices and hc_split_norm one after the other, without their launches' waits.
+// HC_NORM_THREADS + 32 threads, grid (n · D / 256, T).
+template <class Q>
+__global__ void __launch_bounds__(HC_NORM_THREADS + 32) hc_expand_mix_norm(
+        const u8* __restrict__ fn, long long row_bytes, const float* __restrict__ S, const float* __restrict__ y,
+        const float* __restrict__ y2, const float* __restrict__ post, const float* __restrict__ comb, int D,
+        float* __restrict__ out, float* __restrict__ part, int* __restrict__ count, float norm_eps,
+        const float* __restrict__ scale, const float* __restrict__ base, int iters, float eps,
+        float* __restrict__ pre2, float* __restrict__ post2, float* __restrict__ comb2, const float* __restrict__ w,
+        float* __restrict__ normed, u8* __restrict__ act) {
+    constexpr int N = HC_NORM_STREAMS, M = (2 + N) * N;
+    __shared__ float weight[N], row[M];
+    __shared__ int last;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, slices = gridDim.x;
+    if (warp < 8) mix_slice_prefetch<Q>(fn, row_bytes, M);
+    grid_wait();
+    const size_t t = blockIdx.y;
+    if (warp < 8) expand_mix_slice<Q>(fn, row_bytes, M, S, y, y2, post, comb, N, D, out, part);
+    __threadfence();  // this block's slice of out and part, visible to the block that counts last
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(count + t, 1) == slices - 1;
+    __syncthreads();
+    if (!last) return;
+    if (threadIdx.x == 0) count[t] = 0;  // every block has counted: ready for the next launch
+    if (warp == 0) {
+        hc_mix_row(row, part + t * (M + 1) * slices, M, slices, N * D, norm_eps);
+        if (lane < N) weight[lane] = hc_sigmoid(row[lane] * scale[0] + base[lane]) + eps;
+    }
+    // barrier 0 of all the block's threads, reached from two places: the row and the weights are made
+    if (warp < HC_NORM_THREADS / 32) {
+        hc_norm_token(out + t * N * D, D, w, norm_eps, normed + t * D, act, weight,
+                      [] { asm volatile("bar.sync 0;" ::: "memory"); });
+    } else {
+        asm volatile("bar.sync 0;" ::: "memory");
+        hc_split4_lane(row, scale, base, iters, eps, pre2 + t * N, post2 + t * N, comb2 + t * N * N);
+    }
 }
 
 // out[i, :] = row rows[i] of W as float32 (rows == nullptr: row i). One thread per 8 elements.

@@ -34,28 +34,58 @@ extern "C" __global__ void route_weights(const float* __restrict__ scores, const
 }
 
 // route_scores, topk_rank (select.cu) and route_weights for token t's logits l [E] by one block, E <= blockDim.x
-// experts: thread i scores expert i, ranks its choice among the block's in shared memory (ties to the lower index,
-// NaN as -inf) and, when the rank is below k, writes id and score to that place; the first k threads then weigh the
-// chosen scores as route_weights does, in the same order. The logits are read through L2 (they may come from other
-// blocks of the same launch). choice: shared memory of E + k floats.
+// experts: thread i scores expert i, ranks its choice (ties to the lower index, NaN as -inf) and, when the rank is
+// below k, writes id and score to that place; the first k threads then weigh the chosen scores as route_weights does,
+// in the same order. The logits are read through L2 (they may come from other blocks of the same launch). choice:
+// shared memory of E + k floats.
+// The rank takes two rounds when k <= 32 and the candidates fit in choice: each warp ranks its 32 choices among
+// themselves by shuffles, and its first k are candidates; every expert ranked above a chosen one is chosen too, so
+// is among its warp's candidates, and a candidate's rank among all warps' candidates is its rank among all E. A
+// thread then compares its choice with 32 + warps · k others instead of E (for Flash's 256 experts, 80 against 256).
+// Else every thread counts over all E in shared memory.
 __device__ void route_choose(const float* __restrict__ l, const float* __restrict__ bias, int kind, int E, int k,
                              int normalize, float scale, int* __restrict__ idx, float* __restrict__ w, float* choice) {
     float* chosen = choice + E;  // the chosen scores [k]
-    const int i = threadIdx.x;
+    const int i = threadIdx.x, lane = i & 31, warp = i >> 5, warps = blockDim.x >> 5;
     float s = 0.f, c = NEG_INF;
     if (i < E) {
         s = route_score(__ldcg(l + i), kind);
         c = rank_key(bias ? s + bias[i] : s);
-        choice[i] = c;
     }
-    __syncthreads();
-    int rank[4] = {};  // four counts in flight
-    int j = 0;
-    for (; j + 4 <= E; j += 4)
+    int r = k;
+    if (k <= 32 && 2 * warps * k <= E) {
+        float* key = choice;  // the candidates' choices and experts, warp w's in places w · k .. w · k + k - 1
+        int* who = reinterpret_cast<int*>(choice + warps * k);
+        int mine = 0;
+        for (int j = 0; j < 32; ++j) {
+            const float o = __shfl_sync(0xffffffffu, c, j);
+            mine += (o > c) | ((o == c) & (j < lane));
+        }
+        if (mine < k) {
+            key[warp * k + mine] = c;
+            who[warp * k + mine] = i;
+        }
+        __syncthreads();
+        if (mine < k) {
+            int count[4] = {};  // four counts in flight
+            int q = 0;
+            for (; q + 4 <= warps * k; q += 4)
 #pragma unroll
-        for (int u = 0; u < 4; ++u) rank[u] += (choice[j + u] > c) | ((choice[j + u] == c) & (j + u < i));
-    for (; j < E; ++j) rank[0] += (choice[j] > c) | ((choice[j] == c) & (j < i));
-    const int r = rank[0] + rank[1] + rank[2] + rank[3];
+                for (int u = 0; u < 4; ++u) count[u] += (key[q + u] > c) | ((key[q + u] == c) & (who[q + u] < i));
+            for (; q < warps * k; ++q) count[0] += (key[q] > c) | ((key[q] == c) & (who[q] < i));
+            r = count[0] + count[1] + count[2] + count[3];
+        }
+    } else {
+        if (i < E) choice[i] = c;
+        __syncthreads();
+        int count[4] = {};  // four counts in flight
+        int j = 0;
+        for (; j + 4 <= E; j += 4)
+#pragma unroll
+            for (int u = 0; u < 4; ++u) count[u] += (choice[j + u] > c) | ((choice[j + u] == c) & (j + u < i));
+        for (; j < E; ++j) count[0] += (choice[j] > c) | ((choice[j] == c) & (j < i));
+        r = count[0] + count[1] + count[2] + count[3];
+    }
     if (i < E && r < k) {
         idx[r] = i;
         chosen[r] = s;
@@ -103,7 +133,8 @@ __device__ __forceinline__ float router_dot16(uint4 q, int fmt, float4 a, float4
 // launch and the logits' round trip fewer than a GEMV, then route_topk.
 // A block projects ROUTER_ROWS rows, each split over ROUTER_SPLIT warps, and a lane loads ROUTER_BATCH 16-byte words
 // and the columns of x under them before it uses them: Flash's 8 KB rows take one batch, so the projection waits on
-// memory about once (a warp a row, loading as it went, took 12.3 us on the H200).
+// memory about once (a warp a row, loading as it went, took 12.3 us on the H200); the first batch is loaded before the
+// block waits for x.
 // grid (ceil(E / ROUTER_ROWS), T), ROUTER_THREADS threads, E <= ROUTER_THREADS; dynamic shared memory E + k floats.
 #define ROUTER_THREADS 256
 #define ROUTER_ROWS 2
@@ -113,31 +144,36 @@ extern "C" __global__ void __launch_bounds__(ROUTER_THREADS) route_linear_topk(
         const unsigned char* __restrict__ W, int fmt, const float* __restrict__ x, int D, int E,
         float* __restrict__ logits, int* __restrict__ count, const float* __restrict__ bias, int kind, int k,
         int normalize, float scale, int* __restrict__ idx, float* __restrict__ w) {
-    grid_wait();
     extern __shared__ float choice[];
     __shared__ float part[ROUTER_THREADS / 32];
     __shared__ int last;
     const int t = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int e = blockIdx.x * ROUTER_ROWS + warp / ROUTER_SPLIT;
+    const uint4* row = reinterpret_cast<const uint4*>(W + (size_t)min(e, E - 1) * D * (fmt == 0 ? 4 : 2));
+    const float4* xt = reinterpret_cast<const float4*>(x + (size_t)t * D);
+    const int n = e < E ? D / (fmt == 0 ? 4 : 8) : 0, step = 32 * ROUTER_SPLIT;  // the row's 16-byte words
+    const int first = (warp % ROUTER_SPLIT) * 32 + lane;
+    uint4 q[ROUTER_BATCH];
+    auto fetch = [&](int u0) {
+#pragma unroll
+        for (int j = 0; j < ROUTER_BATCH; ++j)
+            q[j] = u0 + j * step < n ? __ldcs(row + u0 + j * step) : make_uint4(0u, 0u, 0u, 0u);
+    };
+    fetch(first);  // the weights' first batch before the wait: it overlaps the previous kernel's tail
+    grid_wait();
     float acc = 0.f;
-    if (e < E) {
-        const uint4* row = reinterpret_cast<const uint4*>(W + (size_t)e * D * (fmt == 0 ? 4 : 2));
-        const float4* xt = reinterpret_cast<const float4*>(x + (size_t)t * D);
-        const int n = D / (fmt == 0 ? 4 : 8), step = 32 * ROUTER_SPLIT;  // the row's 16-byte words
-        for (int u0 = (warp % ROUTER_SPLIT) * 32 + lane; u0 < n; u0 += step * ROUTER_BATCH) {
-            uint4 q[ROUTER_BATCH];
-            float4 a[ROUTER_BATCH], b[ROUTER_BATCH];
+    for (int u0 = first; u0 < n; u0 += step * ROUTER_BATCH) {
+        if (u0 != first) fetch(u0);
+        float4 a[ROUTER_BATCH], b[ROUTER_BATCH];
 #pragma unroll
-            for (int j = 0; j < ROUTER_BATCH; ++j) {
-                const int u = u0 + j * step;
-                const bool in = u < n;
-                q[j] = in ? __ldcs(row + u) : make_uint4(0u, 0u, 0u, 0u);
-                a[j] = in ? xt[fmt == 0 ? u : 2 * u] : make_float4(0.f, 0.f, 0.f, 0.f);
-                b[j] = in && fmt != 0 ? xt[2 * u + 1] : make_float4(0.f, 0.f, 0.f, 0.f);
-            }
-#pragma unroll
-            for (int j = 0; j < ROUTER_BATCH; ++j) acc = router_dot16(q[j], fmt, a[j], b[j], acc);
+        for (int j = 0; j < ROUTER_BATCH; ++j) {
+            const int u = u0 + j * step;
+            const bool in = u < n;
+            a[j] = in ? xt[fmt == 0 ? u : 2 * u] : make_float4(0.f, 0.f, 0.f, 0.f);
+            b[j] = in && fmt != 0 ? xt[2 * u + 1] : make_float4(0.f, 0.f, 0.f, 0.f);
         }
+#pragma unroll
+        for (int j = 0; j < ROUTER_BATCH; ++j) acc = router_dot16(q[j], fmt, a[j], b[j], acc);
     }
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
     if (lane == 0) part[warp] = acc;
