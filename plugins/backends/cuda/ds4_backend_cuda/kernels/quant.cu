@@ -583,12 +583,13 @@ __device__ __forceinline__ void mix_slice(const u8* __restrict__ fn, long long r
     }
 }
 
-// The blocks of fn that mix_slice's thread decodes, prefetched into L1: constant data, so a kernel issues this before
-// grid_wait, and the decode after the wait finds fn on chip instead of waiting on memory a second time.
+// The blocks of fn that mix_slice's thread decodes (the first eight warps'), prefetched into L1: constant data, so a
+// kernel issues this before grid_wait, and the decode after the wait finds fn on chip instead of waiting on memory a
+// second time.
 template <class Q>
 __device__ __forceinline__ void mix_slice_prefetch(const u8* __restrict__ fn, long long row_bytes, int M) {
     const int c = 256 * blockIdx.x + 8 * (threadIdx.x & 31);
-    for (int r = threadIdx.x / 32; r < M; r += 8) {
+    for (int r = threadIdx.x / 32; r < M && threadIdx.x < 256; r += 8) {
         const u8* b = fn + r * row_bytes + (long long)(c / Q::QK) * Q::BYTES;
         asm volatile("prefetch.global.L1 [%0];" ::"l"(b));
         asm volatile("prefetch.global.L1 [%0];" ::"l"(b + Q::BYTES - 1));
@@ -669,9 +670,9 @@ __global__ void __launch_bounds__(HC_NORM_THREADS + 32) hc_expand_mix_norm(
     constexpr int N = HC_NORM_STREAMS, M = (2 + N) * N;
     __shared__ float weight[N], row[M];
     __shared__ int last;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, slices = gridDim.x;
-    if (warp < 8) mix_slice_prefetch<Q>(fn, row_bytes, M);
+    mix_slice_prefetch<Q>(fn, row_bytes, M);
     grid_wait();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, slices = gridDim.x;
     const size_t t = blockIdx.y;
     if (warp < 8) expand_mix_slice<Q>(fn, row_bytes, M, S, y, y2, post, comb, N, D, out, part);
     __threadfence();  // this block's slice of out and part, visible to the block that counts last

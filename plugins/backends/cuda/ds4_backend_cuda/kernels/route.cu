@@ -127,6 +127,36 @@ __device__ __forceinline__ float router_dot16(uint4 q, int fmt, float4 a, float4
     return acc;
 }
 
+#define ROUTER_THREADS 256
+#define ROUTER_ROWS 2
+#define ROUTER_SPLIT (ROUTER_THREADS / 32 / ROUTER_ROWS)
+#define ROUTER_BATCH 8
+
+// A lane's share of its router row: the row's 16-byte words first, first + step, ... below n (n = 0 for a warp past
+// the E rows).
+struct RouterLane {
+    const uint4* row;
+    int n, first;
+    static constexpr int step = 32 * ROUTER_SPLIT;
+};
+
+__device__ __forceinline__ RouterLane router_lane(const unsigned char* __restrict__ W, int fmt, int D, int E) {
+    const int warp = threadIdx.x >> 5, e = blockIdx.x * ROUTER_ROWS + warp / ROUTER_SPLIT;
+    return {reinterpret_cast<const uint4*>(W + (size_t)min(e, E - 1) * D * (fmt == 0 ? 4 : 2)),
+            e < E ? D / (fmt == 0 ? 4 : 8) : 0, (warp % ROUTER_SPLIT) * 32 + (int)(threadIdx.x & 31)};
+}
+
+// Batch b of the lane's words (zeros past the row's end).
+__device__ __forceinline__ void router_fetch(const unsigned char* __restrict__ W, int fmt, int D, int E, int b,
+                                             uint4 (&q)[ROUTER_BATCH]) {
+    const RouterLane l = router_lane(W, fmt, D, E);
+#pragma unroll
+    for (int j = 0; j < ROUTER_BATCH; ++j) {
+        const int u = l.first + (b * ROUTER_BATCH + j) * RouterLane::step;
+        q[j] = u < l.n ? __ldcs(l.row + u) : make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+
 // The router of a few tokens in one launch: logits[t, e] = W[e] . x[t] for the E experts (W's rows of D columns, D a
 // multiple of 8, in format fmt as router_dot16 reads them); then the last block of token t = blockIdx.y to finish
 // (count[t] in global memory counts them, and that block sets it back to 0) makes the choice as route_topk does. A
@@ -136,10 +166,6 @@ __device__ __forceinline__ float router_dot16(uint4 q, int fmt, float4 a, float4
 // memory about once (a warp a row, loading as it went, took 12.3 us on the H200); the first batch is loaded before the
 // block waits for x.
 // grid (ceil(E / ROUTER_ROWS), T), ROUTER_THREADS threads, E <= ROUTER_THREADS; dynamic shared memory E + k floats.
-#define ROUTER_THREADS 256
-#define ROUTER_ROWS 2
-#define ROUTER_SPLIT (ROUTER_THREADS / 32 / ROUTER_ROWS)
-#define ROUTER_BATCH 8
 extern "C" __global__ void __launch_bounds__(ROUTER_THREADS) route_linear_topk(
         const unsigned char* __restrict__ W, int fmt, const float* __restrict__ x, int D, int E,
         float* __restrict__ logits, int* __restrict__ count, const float* __restrict__ bias, int kind, int k,
@@ -147,23 +173,16 @@ extern "C" __global__ void __launch_bounds__(ROUTER_THREADS) route_linear_topk(
     extern __shared__ float choice[];
     __shared__ float part[ROUTER_THREADS / 32];
     __shared__ int last;
-    const int t = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int e = blockIdx.x * ROUTER_ROWS + warp / ROUTER_SPLIT;
-    const uint4* row = reinterpret_cast<const uint4*>(W + (size_t)min(e, E - 1) * D * (fmt == 0 ? 4 : 2));
-    const float4* xt = reinterpret_cast<const float4*>(x + (size_t)t * D);
-    const int n = e < E ? D / (fmt == 0 ? 4 : 8) : 0, step = 32 * ROUTER_SPLIT;  // the row's 16-byte words
-    const int first = (warp % ROUTER_SPLIT) * 32 + lane;
     uint4 q[ROUTER_BATCH];
-    auto fetch = [&](int u0) {
-#pragma unroll
-        for (int j = 0; j < ROUTER_BATCH; ++j)
-            q[j] = u0 + j * step < n ? __ldcs(row + u0 + j * step) : make_uint4(0u, 0u, 0u, 0u);
-    };
-    fetch(first);  // the weights' first batch before the wait: it overlaps the previous kernel's tail
+    router_fetch(W, fmt, D, E, 0, q);  // constant data: the first batch loads while the previous kernel ends
     grid_wait();
+    const int t = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const RouterLane l = router_lane(W, fmt, D, E);
+    const int n = l.n, first = l.first, step = RouterLane::step;
+    const float4* xt = reinterpret_cast<const float4*>(x + (size_t)t * D);
     float acc = 0.f;
-    for (int u0 = first; u0 < n; u0 += step * ROUTER_BATCH) {
-        if (u0 != first) fetch(u0);
+    for (int batch = 0, u0 = first; u0 < n; ++batch, u0 += step * ROUTER_BATCH) {
+        if (batch) router_fetch(W, fmt, D, E, batch, q);
         float4 a[ROUTER_BATCH], b[ROUTER_BATCH];
 #pragma unroll
         for (int j = 0; j < ROUTER_BATCH; ++j) {
