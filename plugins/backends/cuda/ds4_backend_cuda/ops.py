@@ -258,10 +258,11 @@ def moe_gemv_launch(w: Weight, idx: Any, x: Any, x_div: int, y: Any, *,
 _GATE_UP_WARPS_I8 = {"Q8_0": 4}
 _GATE_UP_WARPS = WARPS_PER_BLOCK // 2
 #: Blocks per multiprocessor the int8 gate/up aims for before it splits its rows' chunks over several warps: the
-#: Flash shared expert's one set of rows (128 blocks unsplit) goes in two splits. Alone the unsplit kernel is the
-#: fastest (7.9 µs against 8.9 and 9.9 in two and four splits), but it runs beside the router and the routed experts,
-#: and 12-layer decode steps ran at 570-582 t/s unsplit, 589 in two splits and 574-587 in four.
-_GATE_UP_BLOCKS = 1
+#: Flash shared expert's one set of rows (128 blocks) stays unsplit. It runs beside the router and then beside the
+#: routed gate/up, which must wait for the multiprocessors it holds: in 12-layer decode steps (one call, four rounds)
+#: unsplit 595-598 t/s against 584-595 in two splits (256 blocks, three a multiprocessor: ~85 held), though alone the
+#: two splits are slower (7.9 µs unsplit, 8.9 in two).
+_GATE_UP_BLOCKS = 0.5
 
 
 def _gate_up_warps(qtype: str, int8: bool) -> int:
