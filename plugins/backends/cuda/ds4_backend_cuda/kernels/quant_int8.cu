@@ -150,17 +150,20 @@ struct I8<IQ2_XXS> : IQ2_XXS {
             reinterpret_cast<uint4*>(table)[i] = reinterpret_cast<const uint4*>(iq2xxs_grid)[i];
         __syncthreads();  // every warp reads the whole table, and with an activation read in place no other barrier
     }                     // comes before the first read
-    // Bit i of a nibble times 0x10204080 lands on bit 8i + 7, the top bit of byte i, and no two partial products
-    // meet; prmt's sign mode (selector nibbles 8 to B) spreads each byte's top bit over the byte. Three instructions
-    // a nibble where masking the products to bytes and widening them took four.
-    static __device__ __forceinline__ u32 spread_signs(u32 nibble) {
+    // s7 times 2^7 + 2^14 + ... + 2^49 puts bit i on bit 8i + 7, the top bit of byte i, and no two partial products
+    // meet (bit i times the constant's bit 7k + 7 lands on bit i + 7k + 7: one (i, k) a bit, as i < 7); the eighth
+    // sign, the parity of the seven, is added on bit 63. prmt's sign mode (selector nibbles 8 to B) spreads each
+    // byte's top bit over the byte. Eight instructions a sign index, where a multiply a nibble took eleven.
+    static __device__ __forceinline__ u32 byte_signs(u32 word) {
         u32 masks;
-        asm("prmt.b32 %0, %1, 0, 0xBA98;" : "=r"(masks) : "r"(nibble * 0x10204080u));
+        asm("prmt.b32 %0, %1, 0, 0xBA98;" : "=r"(masks) : "r"(word));
         return masks;
     }
     static __device__ __forceinline__ uint2 sign_masks(u32 s7) {
-        const u32 bits = s7 | ((__popc(s7) & 1) << 7);
-        return make_uint2(spread_signs(bits & 0xFu), spread_signs(bits >> 4));
+        const u64 spread = (u64)s7 * 0x0002040810204080ull;
+        u32 hi;  // + parity · 2^31 in one multiply-add (written as a shift, it took a multiply and an or)
+        asm("mad.lo.u32 %0, %1, 0x80000000, %2;" : "=r"(hi) : "r"((u32)__popc(s7)), "r"((u32)(spread >> 32)));
+        return make_uint2(byte_signs((u32)spread), byte_signs(hi));
     }
     static __device__ __forceinline__ float dot(const u8* b, int g, const int (&q)[8], float dx, float, float,
                                                 const u8* table) {
