@@ -402,9 +402,10 @@ def test_quantized_activation_refusals(cuda_backend, monkeypatch, rng):
 @pytest.mark.parametrize("qtype", INT8_TYPES)
 def test_hc_split_norm_hands_its_row_over_quantized(cuda_backend, monkeypatch, qtype, rng):
     """A decode step's sub-layer input (``hc_split_norm``, DeepSeek V4's ``hc_pre_norm`` and ``hc_post_pre_norm``)
-    comes with its int8 activation: the codes and scales the GEMVs' own quantization makes, which the projections
-    of one input, the routed experts' gate/up and the shared expert's read in its place, bit for bit the results of
-    the same row without it. A row derived from it, or made with int8 off, carries none."""
+    and the model's normalised output (``hc_post_head_norm``) come with their int8 activation: the codes and scales
+    the GEMVs' own quantization makes, which a projection, the projections of one input, the routed experts' gate/up
+    and the shared expert's read in its place, bit for bit the results of the same row without it. A row derived
+    from it, or made with int8 off, carries none."""
     from ds4_backend_cuda import deepseek4_ops as cu
     from ds4_backend_cuda import hc_ops as hc
     from ds4_backend_cuda import ops
@@ -417,11 +418,14 @@ def test_hc_split_norm_hands_its_row_over_quantized(cuda_backend, monkeypatch, q
         ("F16", ((2 + n) * n, n * D)), ("F32", (3,)), ("F32", ((2 + n) * n,)), ("F32", (D,))))
     x, post, comb = hc.hc_pre_norm(S, fn, sc, base, 20, 1e-6, 1e-6, norm)
     x2 = hc.hc_post_pre_norm(S, (xp(_activations(rng, 1, D)),), post, comb, fn, sc, base, 20, 1e-6, 1e-6, norm)[1]
+    hfn, hsc, hbase = (_pair(cuda_backend, q, shape, rng)[1] for q, shape in (
+        ("F16", (n, n * D)), ("F32", (1,)), ("F32", (n,))))
+    x3 = hc.hc_post_head_norm(S, (xp(_activations(rng, 1, D)),), post, comb, hfn, hsc, hbase, 1e-6, 1e-6, norm)[1]
     gate, up = (_pair(cuda_backend, qtype, (E, F, D), rng)[1] for _ in range(2))
     down = _pair(cuda_backend, qtype, (E, D, F), rng)[1]
     shared = [_pair(cuda_backend, qtype, shape, rng)[1] for shape in ((F, D), (F, D), (D, F))]
     idx, weights = xp(np.array([[3, 0, 2]], np.int32)), xp(np.array([[0.5, 0.3, 0.2]], np.float32))
-    for row in (x, x2):
+    for row in (x, x2, x3):
         assert isinstance(row, ops.Int8Rows) and ops.int8_of(row, D) is not None
         act = host(row.int8)
         q, d = _quantize(host(row))
@@ -432,6 +436,7 @@ def test_hc_split_norm_hands_its_row_over_quantized(cuda_backend, monkeypatch, q
         plain = row.copy()
         assert ops.int8_of(plain, D) is None and ops.int8_of(row.reshape(1, D), D) is None
         for got, want in (
+                ((ops.linear(row, shared[0]),), (ops.linear(plain, shared[0]),)),
                 (ops.linears(row, shared[:2]), ops.linears(plain, shared[:2])),
                 ((ops.moe_experts(row, gate, up, down, idx, weights, 0.0),),
                  (ops.moe_experts(plain, gate, up, down, idx, weights, 0.0),)),

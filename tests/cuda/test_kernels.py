@@ -372,7 +372,8 @@ def test_moe_gate_route(cuda_backend, rng, T, E, D, k, qtype):
 # n = 6: the Sinkhorn matrix spans two registers per lane and is summed lane by lane; n = 2, 4: by butterflies.
 # n · D a multiple of 1024 takes the fused mix (four column slices for (4, 256), 32 for (4, 2048), and for (6, 512)
 # 48 mix rows, more than a warp's lanes); the others the unfused one. hc_pre_norm: one launch for (4, 256) and
-# (4, 2048), the composition for the others; hc_post_pre_norm: hc_expand_mix and hc_split_norm for the same two.
+# (4, 2048), the composition for the others; hc_post_pre_norm and hc_post_head_norm: hc_expand_mix_norm for the same
+# two.
 # T = 40 (a prefill): for n = 4, the mix by a GEMM with the squares of row_squares or hc_expand_rows; T = 300: its
 # Sinkhorn a thread a token, in two blocks (the second partly empty).
 @pytest.mark.parametrize("T", [3, 40, 300])
@@ -430,6 +431,19 @@ def test_hc_and_deepseek4_ops(cuda_backend, n, D, T, rng):
     hb_ref, hb = _pair(cuda_backend, "F32", (n,), rng)
     np.testing.assert_allclose(host(hc.hc_head(xp(S), hfn, hs, hb, 1e-6, 1e-6)),
                                ops_hc.hc_head(S, hfn_ref, hs_ref, hb_ref, 1e-6, 1e-6), rtol=1e-4, atol=atol)
+    # the last hc_post, hc_head and the output norm: one launch for n = 4 with slices (hc_expand_mix_norm's head), the
+    # composition for the others; one output and two, twice per weight (its count). The streams: hc_post's bits. The
+    # output against the numpy reference within 1e-4 of its unit RMS: the norm divides by the collapse's RMS, which
+    # magnifies the mix's rounding (sums of n · D products in another order) where a token's weights are small
+    for ys in ((y,), (y, rng.standard_normal((T, D), dtype=np.float32))):
+        streams, out = hc.hc_post_head_norm(xp(S), tuple(map(xp, ys)), got[1], got[2], hfn, hs, hb, 1e-6, 1e-6,
+                                            norm2)
+        S2 = hc.hc_post(xp(S), sum(map(xp, ys[1:]), xp(ys[0])), got[1], got[2])
+        np.testing.assert_array_equal(host(streams), host(S2))
+        want_streams, want_out = dref.hc_post_head_norm(S, ys, host(got[1]), host(got[2]), hfn_ref, hs_ref, hb_ref,
+                                                        1e-6, 1e-6, norm2_ref)
+        np.testing.assert_allclose(host(streams), want_streams, rtol=1e-4, atol=atol)
+        np.testing.assert_allclose(host(out), want_out, rtol=1e-4, atol=1e-4)
     kv = rng.standard_normal((2, 8, 16), dtype=np.float32)
     gate = rng.standard_normal((2, 8, 16), dtype=np.float32)
     gate[0, :4] = -np.inf

@@ -192,20 +192,40 @@ def hc_post_pre_norm(S: Any, ys: tuple[Any, ...], post: Any, comb: Any, fn: Weig
     if not _split_norm_fits(T, n, D) or len(ys) > 2:
         S = hc_post(S, functools.reduce(operator.add, ys), post, comb)
         return (S, *hc_pre_norm(S, fn, scale, base, iters, eps, norm_eps, norm))
+    return _expand_mix_norm(S, ys, post, comb, fn, scale, base, iters, eps, norm_eps, norm, head=False)
+
+
+def _expand_mix_norm(S: Any, ys: tuple[Any, ...], post: Any, comb: Any, fn: Weight, scale: Weight, base: Weight,
+                     iters: int, eps: float, norm_eps: float, norm: Weight, head: bool) -> tuple[Any, ...]:
+    """``hc_expand_mix_norm`` of a decode step's few tokens (:func:`_split_norm_fits`, at most two outputs ``ys``):
+    (streams, normalised input (:class:`Int8Rows` for one token on the int8 path), post, comb) of the next
+    sub-layer, or with ``head`` (streams, the model's normalised output) of ``hc_head`` and the output norm."""
+    T, n, D = S.shape
     S = cp.ascontiguousarray(S, dtype=F32)
-    out, M, slices = cp.empty_like(S), (2 + n) * n, n * D // MIX_SLICE
-    part = cp.empty((T, M + 1, slices), F32)
-    pre2, post2, comb2 = cp.empty((T, n), F32), cp.empty((T, n), F32), cp.empty((T, n, n), F32)
-    normed = cp.empty((T, D), F32)
-    act = _act_of(T, D)
-    y2 = cp.ascontiguousarray(ys[1], dtype=F32) if len(ys) == 2 else np.uint64(0)
+    out, M, slices = cp.empty_like(S), n if head else (2 + n) * n, n * D // MIX_SLICE
+    part, normed, act, null = cp.empty((T, M + 1, slices), F32), cp.empty((T, D), F32), _act_of(T, D), np.uint64(0)
+    sinkhorn = () if head else (cp.empty((T, n), F32), cp.empty((T, n), F32), cp.empty((T, n, n), F32))
+    y2 = cp.ascontiguousarray(ys[1], dtype=F32) if len(ys) == 2 else null
     quant_kernel("hc_expand_mix_norm", fn.qtype)((slices, T), (HC_NORM_THREADS + 32,), (
-        fn.data, np.int64(fn.data.shape[1]), S, cp.ascontiguousarray(ys[0], dtype=F32), y2,
+        fn.data, np.int64(fn.data.shape[1]), np.int32(M), S, cp.ascontiguousarray(ys[0], dtype=F32), y2,
         cp.ascontiguousarray(post, dtype=F32), cp.ascontiguousarray(comb, dtype=F32), np.int32(D), out, part,
         block_counts(fn), F32(norm_eps), cp.ascontiguousarray(values(scale), dtype=F32),
-        cp.ascontiguousarray(values(base), dtype=F32), np.int32(iters), F32(eps), pre2, post2, comb2,
-        cp.ascontiguousarray(values(norm), dtype=F32), normed, np.uint64(0) if act is None else act))
-    return out, (normed if act is None else Int8Rows.of(normed, act)), post2, comb2
+        cp.ascontiguousarray(values(base), dtype=F32), np.int32(iters), F32(eps), *(sinkhorn or (null,) * 3),
+        cp.ascontiguousarray(values(norm), dtype=F32), normed, null if act is None else act))
+    return (out, normed if act is None else Int8Rows.of(normed, act), *sinkhorn[1:])  # post and comb
+
+
+def hc_post_head_norm(S: Any, ys: tuple[Any, ...], post: Any, comb: Any, fn: Weight, scale: Weight, base: Weight,
+                      eps: float, norm_eps: float, norm: Weight) -> tuple[Any, Any]:
+    """:func:`hc_post` of the sum of the last sub-layer's outputs ``ys``, then :func:`hc_head` of its streams and
+    the RMSNorm with weight ``norm`` -> (streams, the model's normalised output): a decode step's few tokens of four
+    streams in one launch (``hc_expand_mix_norm`` with its head), where a dozen small launches ran; else the
+    composition."""
+    T, n, D = S.shape
+    if len(ys) > 2 or not _split_norm_fits(T, n, D):
+        S = hc_post(S, functools.reduce(operator.add, ys), post, comb)
+        return S, rms_norm(hc_head(S, fn, scale, base, eps, norm_eps), norm, norm_eps)
+    return _expand_mix_norm(S, ys, post, comb, fn, scale, base, 0, eps, norm_eps, norm, head=True)
 
 
 def hc_post(S: Any, y: Any, post: Any, comb: Any) -> Any:

@@ -423,9 +423,17 @@ def embed(w: Weight, ids: Any) -> Any:
 
 
 def linear(x: Any, w: Weight) -> Any:
-    """``x @ w.T``: ``x [..., in]``, ``w [out, in]`` -> ``[..., out]``."""
+    """``x @ w.T``: ``x [..., in]``, ``w [out, in]`` -> ``[..., out]``. One token that carries its int8 activation
+    (:class:`Int8Rows`, such as the model's normalised output for its head): the GEMV reads it in its place."""
     lead = x.shape[:-1]
-    y = matmul_raw(x.reshape(-1, x.shape[-1]), w.data, w.qtype, w.shape[-1])
+    act = int8_of(x, w.shape[-1]) if use_int8(None, w.qtype) else None
+    if act is not None:
+        y = cp.empty((1, w.shape[0]), dtype=F32)
+        kernel, grid, block, args = gemv_launch(w.data, w.qtype, w.shape[-1], cp.ascontiguousarray(x, dtype=F32), 1,
+                                                y, act_in=act)
+        kernel(grid, block, args)
+    else:
+        y = matmul_raw(x.reshape(-1, x.shape[-1]), w.data, w.qtype, w.shape[-1])
     return y.reshape(*lead, w.shape[0])
 
 

@@ -22,7 +22,7 @@ MODEL_KERNELS: dict[str, tuple[str, ...]] = {
                       "norm_linear", "output_projection"),
     # DeepSeek V4's, beside the core kernels they extend
     "ops": ("linears", "norm_rope", "norm_rope_attention", "moe_gate_route", "norm_rope_window_attention"),
-    "hc_ops": ("hc_pre_norm", "hc_post_pre_norm"),
+    "hc_ops": ("hc_pre_norm", "hc_post_pre_norm", "hc_post_head_norm"),
     "glm5_ops": ("layer_norm", "moe_route_sigmoid"),
     "qwen38_ops": ("rope_half", "hc_mix", "gqa_attention", "moe_route_softmax"),
 }

@@ -503,6 +503,15 @@ def compose_hc_post_pre_norm(ops: Ops, S: Any, ys: tuple[Any, ...], post: Any, c
     return (S, *fused(ops, "hc_pre_norm", compose_hc_pre_norm)(S, fn, scale, base, iters, eps, norm_eps, norm))
 
 
+def compose_hc_post_head_norm(ops: Ops, S: Any, ys: tuple[Any, ...], post: Any, comb: Any, fn: Any, scale: Any,
+                              base: Any, eps: float, norm_eps: float, norm: Any) -> tuple[Any, Any]:
+    """The last sub-layer's output into the streams and the model's normalised output, the definition of the op
+    ``hc_post_head_norm``: ``hc_post(S, total(ys), post, comb)``, then ``hc_head`` of those streams and its RMSNorm
+    with weight ``norm`` -> (streams, the normalised output ``[T, D]``)."""
+    S = ops.hc_post(S, total(ys), post, comb)
+    return S, ops.rms_norm(ops.hc_head(S, fn, scale, base, eps, norm_eps), norm, norm_eps)
+
+
 class Block:
     """One decoder layer: hyper-connection around attention, then around the MoE (spec §3–4)."""
 
@@ -609,10 +618,13 @@ class DeepSeekV4Model:
         pending = None
         for block, ls in zip(self.blocks, state.layers, strict=True):
             S, pending = block.layer(ops, S, pending, ids, pos, ls, p0, index)
+        head = (self.output_hc_fn, self.output_hc_scale, self.output_hc_base, cfg.hc_eps, cfg.rms_norm_eps)
+        if pending is not None and not last_row:  # every row's logits (a decode step): hc_post, head and norm as one op
+            S, h = fused(ops, "hc_post_head_norm", compose_hc_post_head_norm)(S, *pending, *head, self.output_norm)
+            return ops.linear(h, self.output), S
         if pending is not None:
             ys, post, comb = pending
             S = ops.hc_post(S, total(ys), post, comb)
-        h = ops.hc_head(S[-1:] if last_row else S, self.output_hc_fn, self.output_hc_scale, self.output_hc_base,
-                        cfg.hc_eps, cfg.rms_norm_eps)
+        h = ops.hc_head(S[-1:] if last_row else S, *head)
         return ops.linear(ops.rms_norm(h, self.output_norm, cfg.rms_norm_eps), self.output), S
 

@@ -17,6 +17,7 @@ from ds4_core.ops import CORE_OPS
 
 from .model import (
     compose_compress_step,
+    compose_hc_post_head_norm,
     compose_hc_post_pre_norm,
     compose_hc_pre_norm,
     compose_index_select,
@@ -120,6 +121,14 @@ def output_projection(o: Any, out_a: Any, out_b: Any, groups: int) -> Any:
     return compose_output_projection(_NUMPY_OPS, o, out_a, out_b, groups)
 
 
+def hc_post_head_norm(S: Any, ys: tuple[Any, ...], post: Any, comb: Any, fn: Any, scale: Any, base: Any, eps: float,
+                      norm_eps: float, norm: Any) -> tuple[Any, Any]:
+    """The last sub-layer's outputs (summed) into the streams, then the model's normalised output
+    (:func:`.model.compose_hc_post_head_norm` over the core numpy ops), the reference of backends that add the
+    outputs, expand, mix, collapse and normalise in one launch."""
+    return compose_hc_post_head_norm(_NUMPY_OPS, S, ys, post, comb, fn, scale, base, eps, norm_eps, norm)
+
+
 DEEPSEEK4_OPS: dict[str, Callable] = {
     "fp8_kv_round": fp8_kv_round,
     "fp4_hadamard_round": fp4_hadamard_round,
@@ -130,6 +139,7 @@ DEEPSEEK4_OPS: dict[str, Callable] = {
     "norm_linear": norm_linear,
     "hc_pre_norm": hc_pre_norm,
     "hc_post_pre_norm": hc_post_pre_norm,
+    "hc_post_head_norm": hc_post_head_norm,
     "norm_rope": norm_rope,
     "norm_rope_attention": norm_rope_attention,
     "moe_gate_route": moe_gate_route,

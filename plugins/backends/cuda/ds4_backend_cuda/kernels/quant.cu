@@ -653,26 +653,29 @@ __device__ __forceinline__ void expand_mix_slice(const u8* __restrict__ fn, long
 
 // A sub-layer's end and the next one's input in one launch: expand_mix_slice of slice s = blockIdx.x of token
 // t = blockIdx.y (the HC_NORM_STREAMS streams S [T, n, D] and the output y (+ y2) into out, and the new streams'
-// mix into part [T, M + 1, slices]), then, in the last block of token t to finish (count[t] counts them, and that
-// block sets it back to 0), hc_split_norm's work on the new streams: warp 0 makes the mix row and pre, the first
-// HC_NORM_THREADS threads collapse and normalise the streams with weight w into normed [T, D] (and act, not null
-// for one token: its int8 activation), and the extra warp runs the Sinkhorn meanwhile, into pre2, post2 and comb2.
-// The same bits as hc_expand, mix_slices and hc_split_norm one after the other, without their launches' waits.
-// HC_NORM_THREADS + 32 threads, grid (n · D / 256, T).
+// mix with fn's M rows into part [T, M + 1, slices]), then, in the last block of token t to finish (count[t] counts
+// them, and that block sets it back to 0), hc_split_norm's work on the new streams: warp 0 makes the mix row and
+// pre, the first HC_NORM_THREADS threads collapse and normalise the streams with weight w into normed [T, D] (and
+// act, not null for one token: its int8 activation), and the extra warp runs the Sinkhorn meanwhile, into pre2,
+// post2 and comb2. The same bits as hc_expand, mix_slices and hc_split_norm one after the other, without their
+// launches' waits. fn has M = (2 + n) · n rows; with M = n, the model's end instead: the collapse's weights are
+// hc_head's (the same formula as pre), normalised with the output norm w, and no Sinkhorn (pre2, post2, comb2
+// unused). HC_NORM_THREADS + 32 threads, grid (n · D / 256, T).
 template <class Q>
 __global__ void __launch_bounds__(HC_NORM_THREADS + 32) hc_expand_mix_norm(
-        const u8* __restrict__ fn, long long row_bytes, const float* __restrict__ S, const float* __restrict__ y,
+        const u8* __restrict__ fn, long long row_bytes, int M, const float* __restrict__ S, const float* __restrict__ y,
         const float* __restrict__ y2, const float* __restrict__ post, const float* __restrict__ comb, int D,
         float* __restrict__ out, float* __restrict__ part, int* __restrict__ count, float norm_eps,
         const float* __restrict__ scale, const float* __restrict__ base, int iters, float eps,
         float* __restrict__ pre2, float* __restrict__ post2, float* __restrict__ comb2, const float* __restrict__ w,
         float* __restrict__ normed, u8* __restrict__ act) {
-    constexpr int N = HC_NORM_STREAMS, M = (2 + N) * N;
-    __shared__ float weight[N], row[M];
+    constexpr int N = HC_NORM_STREAMS;
+    __shared__ float weight[N], row[(2 + N) * N];
     __shared__ int last;
     mix_slice_prefetch<Q>(fn, row_bytes, M);
     grid_wait();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, slices = gridDim.x;
+    const bool head = M == N;
     const size_t t = blockIdx.y;
     if (warp < 8) expand_mix_slice<Q>(fn, row_bytes, M, S, y, y2, post, comb, N, D, out, part);
     __threadfence();  // this block's slice of out and part, visible to the block that counts last
@@ -691,7 +694,7 @@ __global__ void __launch_bounds__(HC_NORM_THREADS + 32) hc_expand_mix_norm(
                       [] { asm volatile("bar.sync 0;" ::: "memory"); });
     } else {
         asm volatile("bar.sync 0;" ::: "memory");
-        hc_split4_lane(row, scale, base, iters, eps, pre2 + t * N, post2 + t * N, comb2 + t * N * N);
+        if (!head) hc_split4_lane(row, scale, base, iters, eps, pre2 + t * N, post2 + t * N, comb2 + t * N * N);
     }
 }
 
