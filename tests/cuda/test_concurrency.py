@@ -110,3 +110,45 @@ def test_release_scratch_frees_the_pools_unused_blocks(cuda_backend):
     assert held - pool.used_bytes() >= 1 << 28  # cached, not in use
     cuda_backend.release_scratch()
     assert held - pool.total_bytes() >= 1 << 28 and float(kept.sum()) == 1 << 20
+
+
+def test_threads_never_share_branch_streams(cuda_backend):
+    """Sessions on worker threads (the server's slots) each take branch streams of their own: a stream one thread's
+    branch ran on never runs another thread's, even when one thread's call ends while the other's is inside."""
+    import threading
+
+    import cupy as cp
+
+    used: list[set[int]] = [set(), set()]
+    inside = threading.Barrier(2, timeout=60)
+    errors: list[BaseException] = []
+
+    def run(k: int) -> None:
+        def note() -> int:
+            used[k].add(cp.cuda.get_current_stream().ptr)
+            return k
+
+        def note_together() -> int:  # both threads inside concurrently at once
+            note()
+            inside.wait()
+            return k
+
+        try:
+            with cp.cuda.Stream(non_blocking=True):
+                for rounds in range(4):
+                    # thread 1 enters its second call while thread 0 may still be inside its first, and so on
+                    branches = (lambda: k, note_together, note) if rounds % 2 == 0 else (lambda: k, note, note, note)
+                    assert cuda_backend.concurrently(*branches) == (k,) * len(branches)
+                    if rounds % 2 == 1:
+                        inside.wait()
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+            inside.abort()
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+    assert used[0] and used[1] and not used[0] & used[1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -45,9 +46,9 @@ class CudaBackend(Backend):
         self._peak = 0
         #: Decode steps replay CUDA graphs unless ``DS4_CUDA_GRAPHS=0``.
         self.graphs = os.environ.get("DS4_CUDA_GRAPHS", "1") != "0"
-        #: Streams that run the second, third ... branch of :meth:`concurrently`, made on first use.
-        self._branch_streams: list[Any] = []
-        self._streams_taken = 0
+        #: Per thread (the server runs sessions on worker threads), the streams that run the second, third ...
+        #: branch of :meth:`concurrently`, made on first use, and how many of them calls in progress hold.
+        self._branches = threading.local()
         warm()
 
     def upload(self, name: str, qtype: str, shape: tuple[int, ...], raw: np.ndarray) -> Weight:
@@ -121,16 +122,19 @@ class CudaBackend(Backend):
 
         CuPy's pool hands a freed block only to later work of the stream that allocated it. Every branch starts
         after the work queued before the call, and a stream serves one branch until the outermost call has joined
-        them all, so a block freed inside a branch is not reused under a running kernel of another branch.
+        them all, so a block freed inside a branch is not reused under a running kernel of another branch. Each
+        thread has streams of its own: a session on another thread never queues work on them, nor frees blocks there.
         """
         if len(branches) < 2:
             return tuple(branch() for branch in branches)
         cupy = self.xp
-        outermost = self._streams_taken == 0
-        first = self._streams_taken
-        self._streams_taken += len(branches) - 1
-        while len(self._branch_streams) < self._streams_taken:
-            self._branch_streams.append(cupy.cuda.Stream(non_blocking=True))
+        mine = self._branches
+        if not hasattr(mine, "streams"):
+            mine.streams, mine.taken = [], 0
+        outermost, first = mine.taken == 0, mine.taken
+        mine.taken += len(branches) - 1
+        while len(mine.streams) < mine.taken:
+            mine.streams.append(cupy.cuda.Stream(non_blocking=True))
         current = cupy.cuda.get_current_stream()
         fork = current.record()
         results: list[Any] = [None] * len(branches)
@@ -138,7 +142,7 @@ class CudaBackend(Backend):
         try:
             results[0] = branches[0]()
             for i, branch in enumerate(branches[1:], start=1):
-                stream = self._branch_streams[first + i - 1]
+                stream = mine.streams[first + i - 1]
                 stream.wait_event(fork)
                 with stream:
                     results[i] = branch()
@@ -147,7 +151,7 @@ class CudaBackend(Backend):
             for join in joins:
                 current.wait_event(join)
             if outermost:
-                self._streams_taken = 0
+                mine.taken = 0
         return tuple(results)
 
     def capture(self, step: Callable[[], Any]) -> tuple[Any, Callable[[], Any] | None]:
