@@ -188,7 +188,7 @@ def glue_kernel(name: str) -> Kernel:
 
 
 #: The sampling kernels of ``sample.cu``: a row's argmax and the candidates of the sampler chain.
-SAMPLE_KERNELS: tuple[str, ...] = ("argmax_row", "chain_candidates")
+SAMPLE_KERNELS: tuple[str, ...] = ("argmax_blocks", "chain_candidates")
 
 
 @functools.cache

@@ -1,6 +1,6 @@
 """Sampling where the logits are: a decode step brings back a token id, or a short list, not a 129K-float row.
 
-Greedy is one kernel (``argmax_row``) and 4 bytes back. The built-in chain (top-k, temperature, min-p, top-p, then
+Greedy is one kernel (``argmax_blocks``) and 8 bytes back. The built-in chain (top-k, temperature, min-p, top-p, then
 the draw) runs the host's own stage functions and :func:`~ds4_core.sampling.draw` with the sampler's own RNG, but on
 the few candidates kernel ``chain_candidates`` keeps, not on the row. So the id is the host's, and the draw takes
 exactly the one ``rng.uniform()`` it takes on the host.
@@ -34,8 +34,12 @@ from .modules import sample_module
 
 #: Most candidates a chain kernel hands back (32 KiB); more than that and the host samples the row.
 CANDIDATE_CAP = 4096
-#: Threads of the one block each sampling kernel runs.
+#: Threads of the one block the chain's kernel runs.
 THREADS = 1024
+#: Blocks and threads of the argmax: about four logits a thread, at most ARGMAX_BLOCKS blocks.
+ARGMAX_BLOCKS, ARGMAX_THREADS = 256, 256
+#: ``order_key(-inf)`` in kernels/sample.cu: the argmax's key when no logit is a number above -inf.
+NEG_INF_KEY = 0x007FFFFF
 
 
 @functools.cache
@@ -66,12 +70,13 @@ def sample_row(row: Any, sampler: Sampler) -> int | None:
 def _argmax(row: Any) -> int:
     import cupy
 
-    out = cupy.empty(1, cupy.int32)
-    sample_module().get_function("argmax_row")((1,), (THREADS,), (row, np.int32(row.size), out))
-    token = int(out.get()[0])
-    if token < 0:  # every logit is -inf or NaN: the host's greedy raises its own error for such a row
+    best = cupy.zeros(1, cupy.uint64)
+    blocks = min(ARGMAX_BLOCKS, -(-row.size // (4 * ARGMAX_THREADS)))
+    sample_module().get_function("argmax_blocks")((blocks,), (ARGMAX_THREADS,), (row, np.int32(row.size), best))
+    word = int(best.get()[0])
+    if word >> 32 == NEG_INF_KEY:  # every logit is -inf or NaN: the host's greedy raises its own error for such a row
         greedy(np.full(1, -np.inf, np.float32))
-    return token
+    return 0xFFFFFFFF - (word & 0xFFFFFFFF)
 
 
 def _chain_candidates(row: Any, sampler: Sampler) -> Candidates | None:

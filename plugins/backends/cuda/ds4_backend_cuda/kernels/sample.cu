@@ -1,7 +1,8 @@
 // Sampling on the device (ds4_backend_cuda/sampling.py): the argmax of a logit row, and the few candidates the
 // sampler chain can keep, so that a decode step brings back a token id or a short list instead of the whole row.
 //
-// Each kernel is one block of blockDim.x threads (a multiple of 32, at most 1024) over one float32 row of n logits.
+// Each kernel but argmax_blocks is one block of blockDim.x threads (a multiple of 32, at most 1024) over one float32
+// row of n logits.
 // Logits compare as the host sampler's numpy arrays do: NaN counts as -inf and -0 equals +0. Both kernels read them
 // as unsigned keys ordered like those floats, so that equal logits have equal keys.
 
@@ -38,17 +39,19 @@ __device__ unsigned long long block_max(unsigned long long v, unsigned long long
     return v;
 }
 
-// The id of the largest logit, the lowest id among equal ones; -1 when every logit is -inf or NaN.
-// out: int32 [1]. A key and the complement of the id share one 64-bit word, so one max finds both.
-extern "C" __global__ void argmax_row(const float* __restrict__ row, int n, int* __restrict__ out) {
+// The argmax of a row as one 64-bit word, max-ed by every block into best[0] (zero before the launch): the logit's
+// key above the complement of its id, so the greatest word is the largest logit's, the lowest id among equal ones;
+// a key of NEG_INF_KEY means every logit is -inf or NaN. Each block takes a grid-stride share of the row, so the whole
+// GPU reads it (one block of 1024 threads took ~35 µs for DeepSeek V4's 129280 logits, a decode step's serial tail).
+extern "C" __global__ void argmax_blocks(const float* __restrict__ row, int n, unsigned long long* __restrict__ best) {
     __shared__ unsigned long long scratch[32];
-    unsigned long long best = 0;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const unsigned long long v = ((unsigned long long)order_key(row[i]) << 32) | (0xffffffffu - (unsigned)i);
-        best = v > best ? v : best;
+    unsigned long long v = 0;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        const unsigned long long w = ((unsigned long long)order_key(row[i]) << 32) | (0xffffffffu - (unsigned)i);
+        v = w > v ? w : v;
     }
-    best = block_max(best, scratch);
-    if (threadIdx.x == 0) out[0] = (unsigned)(best >> 32) == NEG_INF_KEY ? -1 : (int)(0xffffffffu - (unsigned)best);
+    v = block_max(v, scratch);
+    if (threadIdx.x == 0 && v) atomicMax(best, v);
 }
 
 // The key of the k-th largest logit (1 <= k <= n), counting equal logits one by one: radix selection, 8 bits of the
