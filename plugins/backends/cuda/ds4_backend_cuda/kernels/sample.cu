@@ -42,7 +42,8 @@ __device__ unsigned long long block_max(unsigned long long v, unsigned long long
 // The argmax of a row as one 64-bit word, max-ed by every block into best[0] (zero before the launch): the logit's
 // key above the complement of its id, so the greatest word is the largest logit's, the lowest id among equal ones;
 // a key of NEG_INF_KEY means every logit is -inf or NaN. Each block takes a grid-stride share of the row, so the whole
-// GPU reads it (one block of 1024 threads took ~35 µs for DeepSeek V4's 129280 logits, a decode step's serial tail).
+// GPU reads it: for DeepSeek V4's 129280 logits, a decode step's serial tail, the call took 64 µs from the host with
+// one block of 1024 threads, 40 µs so.
 extern "C" __global__ void argmax_blocks(const float* __restrict__ row, int n, unsigned long long* __restrict__ best) {
     __shared__ unsigned long long scratch[32];
     unsigned long long v = 0;
