@@ -136,11 +136,12 @@ extern "C" __global__ void hc_split(float* __restrict__ mix, const float* __rest
 // hc_split with the slices, then the collapse c = sum_i pre_i · S_i of the streams S [T, n, D] and its RMSNorm with
 // weight w -> out [T, D]. The first blocks run the Sinkhorn iterations (hc_split4_lane; pre, post and comb into
 // global memory): only the sub-layer's end needs them, so its 20 dependent iterations run beside the collapse instead
-// of after it. With slices, a block a token (its warp 0 makes the mix row in shared memory); with one slice (a
-// prefill's GEMM made the rows, and hc_mix_row's division is all that is left) a thread a token: a block a token held
-// a whole block's registers for one lane, and a prefill's tokens waited for them in waves. The other T blocks
-// collapse a token each (hc_norm_token), warp 0 making the mix row and pre meanwhile. Three launches of a decode
-// step's hyper-connection became one. HC_NORM_THREADS threads (the registers of the Sinkhorn and the slice sums);
+// of after it. With slices, a block a token (its warps sum the mix row's slices, HcMixSums, and warp 0 goes on
+// alone); with one slice (a prefill's GEMM made the rows, and hc_mix_row's division is all that is left) a thread a
+// token: a block a token held a whole block's registers for one lane, and a prefill's tokens waited for them in
+// waves. The other T blocks collapse a token each (hc_norm_token), making the mix row and pre while the streams'
+// loads are in flight (all warps summing its slices, warp 0 dividing; with one slice, warp 0). Three launches of a
+// decode step's hyper-connection became one. HC_NORM_THREADS threads (the registers of the Sinkhorn and the slice sums);
 // n = HC_NORM_STREAMS, the models' 4. part's tokens are ld floats apart. Grid: HC_SINKS(T, slices) + T blocks.
 #define HC_SINKS(T, slices) ((slices) == 1 ? ((T) + HC_NORM_THREADS - 1) / HC_NORM_THREADS : (T))
 __device__ __forceinline__ void hc_split_norm_body(
@@ -149,7 +150,7 @@ __device__ __forceinline__ void hc_split_norm_body(
         float* __restrict__ post, float* __restrict__ comb, const float* __restrict__ S, int D,
         const float* __restrict__ w, float* __restrict__ out, int T, unsigned char* __restrict__ act) {
     constexpr int N = HC_NORM_STREAMS, M = (2 + N) * N;
-    __shared__ float weight[N], row[M];
+    __shared__ float weight[N], row[M], sums[M + 1];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sinks = HC_SINKS(T, slices);
     if ((int)blockIdx.x < sinks) {
         if (slices == 1) {
@@ -162,21 +163,38 @@ __device__ __forceinline__ void hc_split_norm_body(
             for (int r = 0; r < M; ++r) m[r] = p[r] / root;
             hc_split4_lane(m, scale, base, iters, eps, pre + (size_t)t * N, post + (size_t)t * N,
                            comb + (size_t)t * N * N, true);
-        } else if (warp == 0) {
+        } else {
             const int t = blockIdx.x;
-            hc_mix_row(row, part + (size_t)t * ld, M, slices, K, norm_eps);
-            hc_split4_lane(row, scale, base, iters, eps, pre + (size_t)t * N, post + (size_t)t * N,
-                           comb + (size_t)t * N * N);
+            HcMixSums mix;
+            mix.load(part + (size_t)t * ld, M, slices, warp);
+            mix.store(M, slices, warp, sums);
+            __syncthreads();
+            if (warp == 0) {
+                hc_mix_divide(row, sums, M, K, norm_eps);
+                hc_split4_lane(row, scale, base, iters, eps, pre + (size_t)t * N, post + (size_t)t * N,
+                               comb + (size_t)t * N * N);
+            }
         }
         return;
     }
     const size_t t = blockIdx.x - sinks;
-    if (warp == 0) {
-        hc_mix_row(row, part + t * ld, M, slices, K, norm_eps);
-        if (lane < N) weight[lane] = hc_sigmoid(row[lane] * scale[0] + base[lane]) + eps;
+    HcMixSums mix;  // every warp's loads first, then the streams' (a warp's own were behind the others' streams)
+    if (slices > 1) {
+        mix.load(part + t * ld, M, slices, warp);
+        __syncthreads();
     }
     hc_norm_token(S + t * N * D, D, w, norm_eps, out + t * D, act ? act + t * (D + D / 4 + D / 8) : nullptr, weight,
-                  [] { __syncthreads(); });
+                  [&] {  // the mix row, its loads beside the streams'
+                      if (slices == 1) {
+                          if (warp == 0) hc_mix_row(row, part + t * ld, M, slices, K, norm_eps);
+                      } else {
+                          mix.store(M, slices, warp, sums);
+                          __syncthreads();
+                          if (warp == 0) hc_mix_divide(row, sums, M, K, norm_eps);
+                      }
+                      if (warp == 0 && lane < N) weight[lane] = hc_sigmoid(row[lane] * scale[0] + base[lane]) + eps;
+                      __syncthreads();
+                  });
 }
 
 // A decode step's entry (its few blocks take every register they need) and a prefill's (two blocks a

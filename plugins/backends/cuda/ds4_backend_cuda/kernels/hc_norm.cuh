@@ -2,9 +2,6 @@
 // (quant.cu, which also needs a weight format): the split of a token's mix row into its gates and the Sinkhorn, and
 // the collapse of the streams with its RMSNorm.
 
-// float4 slice sums a lane of hc_split loads before adding them (64 slices: K = 16384 columns in one round).
-#define HC_SLICE_LOADS 16
-
 __device__ __forceinline__ float hc_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
 // The Sinkhorn iterations divide by a row's or column's sum as a product with its approximate reciprocal (one MUFU
@@ -78,11 +75,77 @@ __device__ __forceinline__ void hc_split4_lane(const float* m, const float* __re
     for (int r = 0; r < 4; ++r) out[r] = make_float4(c[4 * r], c[4 * r + 1], c[4 * r + 2], c[4 * r + 3]);
 }
 
-// Token t's mix row m [(2+n)·n] from the column slices of mix_slices (quant.cu): part [M + 1, slices] holds the
-// slices' products and sums of squares over K columns (slices a multiple of 4, or 1: the whole rows' products and
-// sum of squares, as a prefill's GEMM and row_squares make them); lanes sum rows' slices (and the squares' slices
-// once), in slice order, through L2 (another block of the same launch may have written them). By one warp; the row is
-// in m when it returns.
+// The mix row's pieces. part [M + 1, slices] holds the column slices' products of mix_slices (quant.cu) and, in row M,
+// their sums of squares, over K columns; another block of the same launch may have written them, so they are read
+// through L2. A row is summed by one warp: lane l adds slices l, l + 32, ... in order, and the lanes' sums meet in a
+// butterfly, so a row has the same bits whichever warp of whichever kernel sums it.
+__device__ __forceinline__ float hc_lanes_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Rows first + w, first + w + warps, ... <= last of part summed by warp w of `warps`, four rows' loads in flight at
+// once; store(r, sum) by every lane.
+template <class Store>
+__device__ __forceinline__ void hc_slice_rows(const float* __restrict__ part, int first, int last, int slices, int w,
+                                              int warps, Store store) {
+    for (int r0 = first + w; r0 <= last; r0 += 4 * warps) {
+        float v[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int s = threadIdx.x & 31; s < slices; s += 32) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                if (r0 + i * warps <= last) v[i] += __ldcg(part + (size_t)(r0 + i * warps) * slices + s);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float sum = hc_lanes_sum(v[i]);
+            if (r0 + i * warps <= last) store(r0 + i * warps, sum);
+        }
+    }
+}
+
+// The sums of part's rows by the first eight warps of a block (a decode step's mix row is 25 rows of 64 slices: one
+// warp took ~2 µs over them, eight ~0.7), in two halves so that other loads can fly beside these: load() issues warp
+// w's loads of rows w, w + 8, w + 16, w + 24 <= M, two slices a lane (M < 32, slices <= 64), and store() sums them
+// into sums [M + 1] in shared memory, with hc_slice_rows' bits.
+struct HcMixSums {
+    float v[4][2];
+
+    __device__ __forceinline__ void load(const float* __restrict__ part, int M, int slices, int w) {
+        const int lane = threadIdx.x & 31;
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+                const int r = w + 8 * i, s = lane + 32 * k;
+                v[i][k] = r <= M && s < slices ? __ldcg(part + (size_t)r * slices + s) : 0.f;
+            }
+    }
+
+    __device__ __forceinline__ void store(int M, int slices, int w, float* sums) const {
+        const int lane = threadIdx.x & 31;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float sum = 0.f;  // hc_slice_rows' lane order
+            if (lane < slices) sum += v[i][0];
+            if (lane + 32 < slices) sum += v[i][1];
+            sum = hc_lanes_sum(sum);
+            if (lane == 0 && w + 8 * i <= M) sums[w + 8 * i] = sum;
+        }
+    }
+};
+
+// m [M] from HcMixSums' sums, by one warp: the products over the RMS of the K columns.
+__device__ __forceinline__ void hc_mix_divide(float* m, const float* sums, int M, int K, float norm_eps) {
+    const float root = sqrtf(sums[M] / (float)K + norm_eps);
+    for (int r = threadIdx.x & 31; r < M; r += 32) m[r] = sums[r] / root;
+    __syncwarp();  // the row is read back by other lanes of this warp
+}
+
+// Token t's mix row m [M] from part by one warp (slices 1: the whole rows' products and sum of squares, as a
+// prefill's GEMM and row_squares make them): the squares' row first, then each row divided as it is summed, the
+// bits of HcMixSums and hc_mix_divide. The row is in m when it returns.
 __device__ void hc_mix_row(float* __restrict__ m, const float* __restrict__ part, int M, int slices, int K,
                            float norm_eps) {
     if (slices == 1) {
@@ -91,31 +154,12 @@ __device__ void hc_mix_row(float* __restrict__ m, const float* __restrict__ part
         __syncwarp();
         return;
     }
-    const float4* p = reinterpret_cast<const float4*>(part);
-    const int q = slices / 4, lane = threadIdx.x & 31;
     float squares = 0.f;
-    for (int r0 = 0; r0 < M; r0 += 32) {
-        const int r = min(r0 + lane, M - 1);
-        float row = 0.f;
-        for (int i0 = 0; i0 < q; i0 += HC_SLICE_LOADS) {  // a round's loads are all in flight at once
-            float4 a[HC_SLICE_LOADS], b[HC_SLICE_LOADS];
-#pragma unroll
-            for (int i = 0; i < HC_SLICE_LOADS; ++i) {
-                if (i0 + i < q) {
-                    a[i] = __ldcg(p + r * q + i0 + i);
-                    if (r0 == 0) b[i] = __ldcg(p + M * q + i0 + i);
-                }
-            }
-#pragma unroll
-            for (int i = 0; i < HC_SLICE_LOADS; ++i) {
-                if (i0 + i < q) {
-                    row = row + a[i].x + a[i].y + a[i].z + a[i].w;
-                    if (r0 == 0) squares = squares + b[i].x + b[i].y + b[i].z + b[i].w;
-                }
-            }
-        }
-        if (r0 + lane < M) m[r] = row / sqrtf(squares / (float)K + norm_eps);
-    }
+    hc_slice_rows(part, M, M, slices, 0, 1, [&](int, float sum) { squares = sum; });
+    const float root = sqrtf(squares / (float)K + norm_eps);
+    hc_slice_rows(part, 0, M - 1, slices, 0, 1, [&](int r, float sum) {
+        if ((threadIdx.x & 31) == 0) m[r] = sum / root;
+    });
     __syncwarp();  // the row is read back by other lanes of this warp
 }
 
@@ -128,6 +172,7 @@ __device__ void hc_mix_row(float* __restrict__ m, const float* __restrict__ part
 // barrier 1, which threads past the first HC_NORM_THREADS do not join.
 #define HC_QUADS 4
 #define HC_NORM_THREADS 256
+static_assert(HC_NORM_THREADS == 8 * 32, "HcMixSums takes the first eight warps");
 #define HC_NORM_STREAMS 4  // hc_split4_lane's
 template <class Ready>
 __device__ __forceinline__ void hc_norm_token(const float* __restrict__ S, int D, const float* __restrict__ w,

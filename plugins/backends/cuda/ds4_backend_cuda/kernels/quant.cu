@@ -654,8 +654,9 @@ __device__ __forceinline__ void expand_mix_slice(const u8* __restrict__ fn, long
 // A sub-layer's end and the next one's input in one launch: expand_mix_slice of slice s = blockIdx.x of token
 // t = blockIdx.y (the HC_NORM_STREAMS streams S [T, n, D] and the output y (+ y2) into out, and the new streams'
 // mix with fn's M rows into part [T, M + 1, slices]), then, in the last block of token t to finish (count[t] counts
-// them, and that block sets it back to 0), hc_split_norm's work on the new streams: warp 0 makes the mix row and
-// pre, the first HC_NORM_THREADS threads collapse and normalise the streams with weight w into normed [T, D] (and
+// them, and that block sets it back to 0), hc_split_norm's work on the new streams: the first HC_NORM_THREADS threads
+// make the mix row and pre (HcMixSums, then warp 0) while their loads of the streams are in flight, then collapse
+// and normalise the streams with weight w into normed [T, D] (and
 // act, not null for one token: its int8 activation), and the extra warp runs the Sinkhorn meanwhile, into pre2,
 // post2 and comb2. The same bits as hc_expand, mix_slices and hc_split_norm one after the other, without their
 // launches' waits. fn has M = (2 + n) · n rows; with M = n, the model's end instead: the collapse's weights are
@@ -670,7 +671,7 @@ __global__ void __launch_bounds__(HC_NORM_THREADS + 32) hc_expand_mix_norm(
         float* __restrict__ pre2, float* __restrict__ post2, float* __restrict__ comb2, const float* __restrict__ w,
         float* __restrict__ normed, u8* __restrict__ act) {
     constexpr int N = HC_NORM_STREAMS;
-    __shared__ float weight[N], row[(2 + N) * N];
+    __shared__ float weight[N], row[(2 + N) * N], sums[(2 + N) * N + 1];
     __shared__ int last;
     mix_slice_prefetch<Q>(fn, row_bytes, M);
     grid_wait();
@@ -684,14 +685,20 @@ __global__ void __launch_bounds__(HC_NORM_THREADS + 32) hc_expand_mix_norm(
     __syncthreads();
     if (!last) return;
     if (threadIdx.x == 0) count[t] = 0;  // every block has counted: ready for the next launch
-    if (warp == 0) {
-        hc_mix_row(row, part + t * (M + 1) * slices, M, slices, N * D, norm_eps);
-        if (lane < N) weight[lane] = hc_sigmoid(row[lane] * scale[0] + base[lane]) + eps;
-    }
     // barrier 0 of all the block's threads, reached from two places: the row and the weights are made
     if (warp < HC_NORM_THREADS / 32) {
-        hc_norm_token(out + t * N * D, D, w, norm_eps, normed + t * D, act, weight,
-                      [] { asm volatile("bar.sync 0;" ::: "memory"); });
+        HcMixSums mix;  // every warp's loads first, then the streams' (a warp's own were behind the others' streams)
+        mix.load(part + t * (M + 1) * slices, M, slices, warp);
+        asm volatile("bar.sync 2, %0;" ::"n"(HC_NORM_THREADS) : "memory");
+        hc_norm_token(out + t * N * D, D, w, norm_eps, normed + t * D, act, weight, [&] {
+            mix.store(M, slices, warp, sums);
+            asm volatile("bar.sync 2, %0;" ::"n"(HC_NORM_THREADS) : "memory");
+            if (warp == 0) {
+                hc_mix_divide(row, sums, M, N * D, norm_eps);
+                if (lane < N) weight[lane] = hc_sigmoid(row[lane] * scale[0] + base[lane]) + eps;
+            }
+            asm volatile("bar.sync 0;" ::: "memory");
+        });
     } else {
         asm volatile("bar.sync 0;" ::: "memory");
         if (!head) hc_split4_lane(row, scale, base, iters, eps, pre2 + t * N, post2 + t * N, comb2 + t * N * N);
