@@ -192,6 +192,7 @@ __device__ __forceinline__ float block_reduce(float v, float* scratch, Combine c
 // not null (d a multiple of 32), each token's output row of H · d values is also written there as the int8
 // activation of the GEMV that reads it (act.cuh; tokens act_bytes(H · d) apart). grid (ceil(d / blockDim.x), H, T),
 // blockDim.x a multiple of 32, dynamic shared memory tiles floats.
+#define MERGE_AHEAD 16  // tiles of attend_merge loaded before the statistics' reductions (a Flash CSA layer has 20)
 extern "C" __global__ void attend_merge(const float* __restrict__ part, const float2* __restrict__ stats,
                                         const float* __restrict__ sinks, int H, int tiles, int d,
                                         float* __restrict__ out, const int* __restrict__ pos,
@@ -202,6 +203,10 @@ extern "C" __global__ void attend_merge(const float* __restrict__ part, const fl
     const int c = blockIdx.x * blockDim.x + threadIdx.x, h = blockIdx.y;
     const size_t th = (size_t)blockIdx.z * H + h;
     const float2* st = stats + th * tiles;
+    const float* pt = part + th * tiles * d + c;
+    float early[MERGE_AHEAD];  // the first tiles' sums need no statistics: loaded beside them, not after two reductions
+#pragma unroll
+    for (int i = 0; i < MERGE_AHEAD; ++i) early[i] = c < d && i < tiles ? pt[(size_t)i * d] : 0.f;
     float peak = sinks ? sinks[h] : NEG_INF;
     for (int i = threadIdx.x; i < tiles; i += blockDim.x) peak = fmaxf(peak, st[i].x);
     peak = block_reduce(peak, scratch, [](float a, float b) { return fmaxf(a, b); });
@@ -214,10 +219,12 @@ extern "C" __global__ void attend_merge(const float* __restrict__ part, const fl
     }
     den = block_reduce(den, scratch, [](float a, float b) { return a + b; }) + (sinks ? expf(sinks[h] - peak) : 0.f);
     float num = 0.f;
+#pragma unroll
+    for (int i = 0; i < MERGE_AHEAD; ++i)
+        if (i < tiles) num = fmaf(weight[i], early[i], num);
     if (c < d) {
-        const float* pt = part + th * tiles * d + c;
 #pragma unroll 8
-        for (int i = 0; i < tiles; ++i) num = fmaf(weight[i], pt[(size_t)i * d], num);
+        for (int i = MERGE_AHEAD; i < tiles; ++i) num = fmaf(weight[i], pt[(size_t)i * d], num);
     }
     float o = num / den;
     const int j = c - (d - 2 * half);
