@@ -370,14 +370,14 @@ def test_moe_gate_route(cuda_backend, rng, T, E, D, k, qtype):
 
 
 # n = 6: the Sinkhorn matrix spans two registers per lane and is summed lane by lane; n = 2, 4: by butterflies.
-# n · D a multiple of 1024 takes the fused mix (four column slices for (4, 256), 32 for (4, 2048), and for (6, 512)
-# 48 mix rows, more than a warp's lanes); the others the unfused one. hc_pre_norm: one launch for (4, 256) and
-# (4, 2048), the composition for the others; hc_post_pre_norm and hc_post_head_norm: hc_expand_mix_norm for the same
-# two.
+# n · D a multiple of 1024 takes the fused mix (four column slices for (4, 256), 32 for (4, 2048), 48 for (4, 3072):
+# a lane's second slice for half the lanes, and for (6, 512) 48 mix rows, more than a warp's lanes); the others the
+# unfused one. hc_pre_norm: one launch for (4, 256), (4, 2048) and (4, 3072), the composition for the others;
+# hc_post_pre_norm and hc_post_head_norm: hc_expand_mix_norm for the same three.
 # T = 40 (a prefill): for n = 4, the mix by a GEMM with the squares of row_squares or hc_expand_rows; T = 300: its
 # Sinkhorn a thread a token, in two blocks (the second partly empty).
 @pytest.mark.parametrize("T", [3, 40, 300])
-@pytest.mark.parametrize("n, D", [(4, 64), (6, 64), (2, 64), (4, 256), (4, 2048), (6, 512)])
+@pytest.mark.parametrize("n, D", [(4, 64), (6, 64), (2, 64), (4, 256), (4, 2048), (4, 3072), (6, 512)])
 def test_hc_and_deepseek4_ops(cuda_backend, n, D, T, rng):
     from ds4_backend_cuda import deepseek4_ops as cu
     from ds4_backend_cuda import hc_ops as hc
