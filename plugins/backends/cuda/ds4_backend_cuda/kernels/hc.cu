@@ -141,8 +141,8 @@ extern "C" __global__ void hc_split(float* __restrict__ mix, const float* __rest
 // token: a block a token held a whole block's registers for one lane, and a prefill's tokens waited for them in
 // waves. The other T blocks collapse a token each (hc_norm_token), making the mix row and pre while the streams'
 // loads are in flight (all warps summing its slices, warp 0 dividing; with one slice, warp 0). Three launches of a
-// decode step's hyper-connection became one. HC_NORM_THREADS threads (the registers of the Sinkhorn and the slice sums);
-// n = HC_NORM_STREAMS, the models' 4. part's tokens are ld floats apart. Grid: HC_SINKS(T, slices) + T blocks.
+// decode step's hyper-connection became one. HC_NORM_THREADS threads (the registers of the Sinkhorn and the slice
+// sums); n = HC_NORM_STREAMS, the models' 4. part's tokens are ld floats apart. Grid: HC_SINKS(T, slices) + T blocks.
 #define HC_SINKS(T, slices) ((slices) == 1 ? ((T) + HC_NORM_THREADS - 1) / HC_NORM_THREADS : (T))
 __device__ __forceinline__ void hc_split_norm_body(
         const float* __restrict__ part, int ld, int slices, int K, float norm_eps,

@@ -656,12 +656,12 @@ __device__ __forceinline__ void expand_mix_slice(const u8* __restrict__ fn, long
 // mix with fn's M rows into part [T, M + 1, slices]), then, in the last block of token t to finish (count[t] counts
 // them, and that block sets it back to 0), hc_split_norm's work on the new streams: the first HC_NORM_THREADS threads
 // make the mix row and pre (HcMixSums, then warp 0) while their loads of the streams are in flight, then collapse
-// and normalise the streams with weight w into normed [T, D] (and
-// act, not null for one token: its int8 activation), and the extra warp runs the Sinkhorn meanwhile, into pre2,
-// post2 and comb2. The same bits as hc_expand, mix_slices and hc_split_norm one after the other, without their
-// launches' waits. fn has M = (2 + n) · n rows; with M = n, the model's end instead: the collapse's weights are
-// hc_head's (the same formula as pre), normalised with the output norm w, and no Sinkhorn (pre2, post2, comb2
-// unused). HC_NORM_THREADS + 32 threads, grid (n · D / 256, T).
+// and normalise the streams with weight w into normed [T, D] (and act, not null for one token: its int8
+// activation), and the extra warp runs the Sinkhorn meanwhile, into pre2, post2 and comb2. The same bits as
+// hc_expand, mix_slices and hc_split_norm one after the other, without their launches' waits. fn has M = (2 + n) · n
+// rows; with M = n, the model's end instead: the collapse's weights are hc_head's (the same formula as pre),
+// normalised with the output norm w, and no Sinkhorn (pre2, post2, comb2 unused). HC_NORM_THREADS + 32 threads,
+// grid (n · D / 256, T).
 template <class Q>
 __global__ void __launch_bounds__(HC_NORM_THREADS + 32) hc_expand_mix_norm(
         const u8* __restrict__ fn, long long row_bytes, int M, const float* __restrict__ S, const float* __restrict__ y,
