@@ -245,10 +245,19 @@ class StepIndex:
         self.xp, self.pos, self.W = xp, pos, window
         slots = xp.arange(window, dtype=xp.int32)
         self.slot = pos % window
-        held = pos - (pos - slots) % window  # the position ring slot s holds after this write (< 0: none yet)
-        self.window = xp.where(held >= 0, slots, -1)[None]
+        # after this write slot s holds position pos - (pos - s) mod W, which is one (>= 0) once s <= pos
+        self.window = xp.where(slots <= pos, slots, -1)[None]
         self._limits: dict[int, Any] = {}
         self._dense: dict[tuple[int, int], Any] = {}
+
+    def ahead(self, needs: list[tuple[int, int | None]]) -> None:
+        """Makes now what later layers will ask for: per ``(m, n_rows)`` the limit of ratio ``m`` and, unless
+        ``n_rows`` is None, its dense rows (a branch beside the first layer can then take these launches off the
+        step's critical path)."""
+        for m, n_rows in needs:
+            self.limit(m)
+            if n_rows is not None:
+                self.dense(m, n_rows)
 
     def limit(self, m: int) -> Any:
         """``[1]``: compressed rows ``w < limit`` are complete (ratio ``m``)."""
@@ -609,14 +618,25 @@ class DeepSeekV4Model:
         host decision on the position, so it can be recorded once and replayed."""
         return self._run(ids, pos, state, None)
 
+    def _index_needs(self, state: DeepSeekV4State) -> list[tuple[int, int | None]]:
+        """:meth:`StepIndex.ahead`'s needs of a step into ``state``: each compressed layer's ratio, and the number of
+        its compressed rows where it has no indexer (its attention reads the dense rows)."""
+        return [(block.attn.m, None if block.attn.indexer is not None else ls.compressor.rows.shape[0])
+                for block, ls in zip(self.blocks, state.layers, strict=True) if block.attn.compressor is not None]
+
     def _run(self, ids: Any, pos: Any, state: DeepSeekV4State, p0: int | None,
              last_row: bool = False) -> tuple[Any, Any]:
         ops, xp, cfg = self.ops, self.ops.xp, self.cfg
         x = ops.embed(self.token_embd, ids)
         S = xp.repeat(x[:, None, :], cfg.hc_mult, axis=1)
         index = StepIndex(xp, pos, cfg.sliding_window) if p0 is None else None
+        layers = list(zip(self.blocks, state.layers, strict=True))
         pending = None
-        for block, ls in zip(self.blocks, state.layers, strict=True):
+        if index is not None:  # the compressed layers' index arrays beside the first layer
+            (first, ls0), layers = layers[0], layers[1:]
+            (S, pending), _ = ops.concurrently(lambda: first.layer(ops, S, None, ids, pos, ls0, p0, index),
+                                               lambda: index.ahead(self._index_needs(state)))
+        for block, ls in layers:
             S, pending = block.layer(ops, S, pending, ids, pos, ls, p0, index)
         head = (self.output_hc_fn, self.output_hc_scale, self.output_hc_base, cfg.hc_eps, cfg.rms_norm_eps)
         if pending is not None and not last_row:  # every row's logits (a decode step): hc_post, head and norm as one op

@@ -85,22 +85,21 @@ __device__ __forceinline__ float hc_lanes_sum(float v) {
     return v;
 }
 
-// Rows first + w, first + w + warps, ... <= last of part summed by warp w of `warps`, four rows' loads in flight at
-// once; store(r, sum) by every lane.
+// Rows first .. last of part summed by one warp, four rows' loads in flight at once; store(r, sum) by every lane.
 template <class Store>
-__device__ __forceinline__ void hc_slice_rows(const float* __restrict__ part, int first, int last, int slices, int w,
-                                              int warps, Store store) {
-    for (int r0 = first + w; r0 <= last; r0 += 4 * warps) {
+__device__ __forceinline__ void hc_slice_rows(const float* __restrict__ part, int first, int last, int slices,
+                                              Store store) {
+    for (int r0 = first; r0 <= last; r0 += 4) {
         float v[4] = {0.f, 0.f, 0.f, 0.f};
         for (int s = threadIdx.x & 31; s < slices; s += 32) {
 #pragma unroll
             for (int i = 0; i < 4; ++i)
-                if (r0 + i * warps <= last) v[i] += __ldcg(part + (size_t)(r0 + i * warps) * slices + s);
+                if (r0 + i <= last) v[i] += __ldcg(part + (size_t)(r0 + i) * slices + s);
         }
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const float sum = hc_lanes_sum(v[i]);
-            if (r0 + i * warps <= last) store(r0 + i * warps, sum);
+            if (r0 + i <= last) store(r0 + i, sum);
         }
     }
 }
@@ -155,9 +154,9 @@ __device__ void hc_mix_row(float* __restrict__ m, const float* __restrict__ part
         return;
     }
     float squares = 0.f;
-    hc_slice_rows(part, M, M, slices, 0, 1, [&](int, float sum) { squares = sum; });
+    hc_slice_rows(part, M, M, slices, [&](int, float sum) { squares = sum; });
     const float root = sqrtf(squares / (float)K + norm_eps);
-    hc_slice_rows(part, 0, M - 1, slices, 0, 1, [&](int r, float sum) {
+    hc_slice_rows(part, 0, M - 1, slices, [&](int r, float sum) {
         if ((threadIdx.x & 31) == 0) m[r] = sum / root;
     });
     __syncwarp();  // the row is read back by other lanes of this warp
