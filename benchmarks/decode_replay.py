@@ -1,7 +1,7 @@
 """The GPU's time for a decode step alone: the recorded step of a GGUF replayed back to back, no host in the loop.
 
 ``ds4 bench -m FILE`` times whole tokens as ``ds4 run`` decodes them: the host's sampling and feeding sit between
-the steps, and on the H200 machine they add 0.1-0.3 ms a token that varies from run to run, more than most kernel
+the steps, and on the H200 machine they added 0.06-0.28 ms a token, varying from run to run: more than most kernel
 changes move a step. Here the host queues REPLAYS steps (each writes the token and the position, then launches the
 graph) without waiting, and CUDA events time them on the device: at 1-5 ms a step, the host's ~30 µs of launching
 stays ahead. Prints ms a step for ROUNDS rounds; with two files (4 and 12 layers) the difference gives a layer's time.
