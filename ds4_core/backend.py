@@ -64,6 +64,11 @@ class Backend:
         """Bring a backend array back to the host."""
         return np.asarray(a)
 
+    def write(self, dst: Any, values: np.ndarray) -> None:
+        """Copy the host array ``values`` into the backend array ``dst`` of the same shape and dtype, after the work
+        queued before it (a replayed step's inputs)."""
+        dst[...] = values
+
     def synchronize(self) -> None:
         """Wait for queued device work (no-op on the host)."""
 

@@ -4,7 +4,7 @@ Launching a decode step's hundreds of small kernels one by one costs more than t
 graph replays them for about a microsecond each. A model provides a *step*: a one-token forward whose token id and
 position are read from device buffers and whose every shape is fixed by the context, not by the position. The step
 is recorded once per state object (its buffers are baked into the graph), on the first token decoded into that
-state; every later token only writes the two buffers and replays. A state restored from a snapshot is a new object
+state; every later token only writes the two (one copy) and replays. A state restored from a snapshot is a new object
 and gets its own recording.
 """
 
@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
+import numpy as np
 
 from .backend import Backend
 
@@ -24,9 +25,11 @@ Step = Callable[[Any, Any, Any], Any]
 
 @attrs.define
 class _Recording:
-    ids: Any
-    pos: Any
+    inputs: Any  # int32 [2]: the token id, then the position; the step reads its two one-element views
     replay: Callable[[], Any] | None
+
+    def step_args(self) -> tuple[Any, Any]:
+        return self.inputs[0:1], self.inputs[1:2]
 
 
 class DecodeGraphs:
@@ -43,20 +46,19 @@ class DecodeGraphs:
     def __call__(self, token: int, position: int, state: Any) -> Any:
         """The step's outputs for ``token`` at ``position``; they stay valid until the next call on ``state``."""
         rec = self._recordings.get(id(state))
+        inputs = np.array([token, position], dtype=np.int32)
         if rec is None:
-            xp = self.backend.xp
-            ids, pos = xp.full((1,), token, dtype=xp.int32), xp.full((1,), position, dtype=xp.int32)
+            rec = _Recording(self.backend.asarray(inputs), None)
             if self._unrecordable:
-                outputs, replay = self.step(ids, pos, state), None
+                outputs = self.step(*rec.step_args(), state)
             else:
-                outputs, replay = self.backend.capture(lambda: self.step(ids, pos, state))
-                self._unrecordable = replay is None
-            self._recordings[id(state)] = _Recording(ids, pos, replay)
+                outputs, rec.replay = self.backend.capture(lambda: self.step(*rec.step_args(), state))
+                self._unrecordable = rec.replay is None
+            self._recordings[id(state)] = rec
             weakref.finalize(state, self._recordings.pop, id(state), None)
             return outputs
-        rec.ids.fill(token)
-        rec.pos.fill(position)
-        return rec.replay() if rec.replay is not None else self.step(rec.ids, rec.pos, state)
+        self.backend.write(rec.inputs, inputs)
+        return rec.replay() if rec.replay is not None else self.step(*rec.step_args(), state)
 
     def replays(self, state: Any) -> bool:
         """Whether decode steps into ``state`` replay a recorded graph."""
