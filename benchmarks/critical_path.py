@@ -1,0 +1,117 @@
+"""How much of a decode step's GPU time a kernel holds: the recorded step replayed with the kernel knocked out.
+
+A kernel launched with programmatic dependent launch overlaps its neighbours, and branches of the recorded step run
+beside the main chain, so a kernel's time alone (``decode_gemvs.py``, ``decode_glue.py``) or in a PDL-off timeline
+(``profile_step.py``) overstates what removing it would save. Here each knockout is a copy of the installed CUDA
+backend whose named kernels return as they start, once their predecessor is done (the launch stays, its outputs go
+stale: the figures are times only), replayed by ``decode_replay.py`` in a process of its own beside the unchanged
+backend; with two files of different layer counts the difference is a layer's share.
+
+Usage: python benchmarks/critical_path.py FILE FILE KNOCKOUT [KNOCKOUT ...] [--replays 100] [--rounds 2]
+KNOCKOUT: kernels knocked out together, comma-separated: ``attend_rows,attend_merge``, or a template's instance
+``moe_gate_up_i8<IQ2_XXS>``. Needs a GPU with the CUDA backend; a knockout that leaves garbage which a later
+kernel indexes memory by (expert ids, rows) can fault, so knock out what produces values, not indices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import ds4_backend_cuda
+
+from ds4_core.gguf import GGUFFile
+
+REPLAY = Path(__file__).with_name("decode_replay.py")
+#: A type test for a template kernel's knockout, defined once per compiled module (quant.cu and quant_int8.cu share
+#: one).
+SAME = ("#ifndef DS4_KNOCKOUT_SAME\n#define DS4_KNOCKOUT_SAME\n"
+        "template <class A, class B> struct KnockoutSame { static constexpr bool value = false; };\n"
+        "template <class A> struct KnockoutSame<A, A> { static constexpr bool value = true; };\n#endif\n")
+
+
+def knock_out(source: str, kernel: str) -> str | None:
+    """``source`` with ``kernel`` (``name`` or ``name<Format>``) waiting for its predecessor and returning as it
+    starts (its successors still wait for it, so the step's order holds), or None when the source does not define
+    it."""
+    name, _, fmt = kernel.partition("<")
+    head = re.search(r"__global__ void (?:__launch_bounds__\([^)]*\)\s*)?" + re.escape(name) + r"\(", source)
+    if head is None:
+        return None
+    body = source.index("{", head.end()) + 1
+    leave = " grid_wait(); return;"
+    if fmt:
+        leave = f" if (KnockoutSame<Q, {fmt.rstrip('>')}>::value) {{{leave} }}"
+    return (SAME if fmt else "") + source[:body] + leave + source[body:]
+
+
+def patched_backend(kernels: list[str], root: Path) -> Path:
+    """A copy of the installed ``ds4_backend_cuda`` under ``root`` with ``kernels`` knocked out; the directory to put
+    first on ``PYTHONPATH``."""
+    package = root / "ds4_backend_cuda"
+    shutil.copytree(Path(ds4_backend_cuda.__file__).parent, package, ignore=shutil.ignore_patterns("__pycache__"))
+    for kernel in kernels:
+        for path in sorted((package / "kernels").glob("*.cu")):
+            patched = knock_out(path.read_text(), kernel)
+            if patched is not None:
+                path.write_text(patched)
+                break
+        else:
+            raise SystemExit(f"no kernel {kernel!r} in {package / 'kernels'}; name one defined with __global__")
+    return root
+
+
+def replay_ms(files: list[Path], path: Path | None, replays: int, rounds: int) -> list[float]:
+    """Median ms a step of each of ``files``, replayed with the backend found first at ``path`` (None: installed)."""
+    env = dict(os.environ)
+    if path is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(path), env.get("PYTHONPATH"))))
+    done = subprocess.run([sys.executable, str(REPLAY), *map(str, files), "--replays", str(replays), "--rounds",
+                           str(rounds)], env=env, capture_output=True, text=True)
+    medians = re.findall(r"median ([0-9.]+)\)", done.stdout)
+    if done.returncode or len(medians) != len(files):
+        raise SystemExit(f"the replay failed ({done.returncode}):\n{done.stdout}{done.stderr[-3000:]}")
+    return [float(m) for m in medians]
+
+
+def layers(path: Path) -> int:
+    with GGUFFile.open(path, require_data=False) as gguf:
+        return gguf.metadata.int(f"{gguf.architecture}.block_count")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", type=Path, nargs=2, help="two GGUF files of one model with different layer counts")
+    parser.add_argument("knockouts", nargs="+", help="comma-separated kernels knocked out together")
+    parser.add_argument("--replays", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    (big, small), n = sorted(args.files, key=layers, reverse=True), [layers(f) for f in args.files]
+    if len(set(n)) != 2:
+        raise SystemExit(f"the two files have the same layer count ({n[0]}); give two of different counts")
+    span = layers(big) - layers(small)
+
+    def row(label: str, ms: list[float], base: float | None) -> float:
+        per_layer = (ms[0] - ms[1]) / span * 1000
+        change = "" if base is None else f"{per_layer - base:+8.2f}"
+        print(f"{label:44s} {ms[0]:8.4f} {ms[1]:8.4f} {per_layer:9.2f} {change}", flush=True)
+        return per_layer
+
+    print(f"{'knocked out':44s} {big.name:>8s} {small.name:>8s} {'µs/layer':>9s} {'change':>8s}")
+    first = replay_ms([big, small], None, args.replays, args.rounds)
+    base = row("(nothing)", first, None)
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, knockout in enumerate(args.knockouts):
+            root = patched_backend(knockout.split(","), Path(tmp) / str(i))
+            row(knockout, replay_ms([big, small], root, args.replays, args.rounds), base)
+    row("(nothing), again", replay_ms([big, small], None, args.replays, args.rounds), base)
+
+
+if __name__ == "__main__":
+    main()
