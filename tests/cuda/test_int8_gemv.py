@@ -448,6 +448,57 @@ def test_hc_split_norm_hands_its_row_over_quantized(cuda_backend, monkeypatch, q
     assert not isinstance(hc.hc_pre_norm(S, fn, sc, base, 20, 1e-6, 1e-6, norm)[0], ops.Int8Rows)
 
 
+@pytest.mark.parametrize("host", ["gemv", "gate/up", "none", "another stream"])
+def test_a_recorded_steps_split_runs_in_the_next_int8_launch(cuda_backend, monkeypatch, host, rng):
+    """While a step is recorded (``split_hosting.hosting``), a one-token ``hc_post_pre_norm`` leaves its Sinkhorn
+    to the next int8 GEMV or gate/up launched on its stream, as one extra block, and post and comb come out bit for
+    bit as the kernel makes them itself; with no such launch, or one on a stream not ordered after it, the split
+    runs when the recording ends. The launch's own output is unchanged."""
+    from ds4_backend_cuda import hc_ops as hc
+    from ds4_backend_cuda import ops, split_hosting
+
+    monkeypatch.setenv(ops.INT8_ENV, "1")
+    xp, host_of = cuda_backend.asarray, cuda_backend.to_numpy
+    n, D, E, F = 4, 1024, 4, 256
+    S, y = xp(_activations(rng, n, D)[None]), xp(_activations(rng, 1, D))
+    fn, sc, base, norm = (_pair(cuda_backend, q, shape, rng)[1] for q, shape in (
+        ("F16", ((2 + n) * n, n * D)), ("F32", (3,)), ("F32", ((2 + n) * n,)), ("F32", (D,))))
+    _, post, comb = hc.hc_pre_norm(S, fn, sc, base, 20, 1e-6, 1e-6, norm)
+    w = _pair(cuda_backend, "Q8_0", (64, D), rng)[1]
+    gate, up = (_pair(cuda_backend, "Q8_0", (E, F, D), rng)[1] for _ in range(2))
+    down = _pair(cuda_backend, "Q8_0", (E, D, F), rng)[1]
+    idx, weights = xp(np.array([[3, 0]], np.int32)), xp(np.array([[0.6, 0.4]], np.float32))
+
+    def launch(x):
+        if host == "gate/up":
+            return ops.moe_experts(x, gate, up, down, idx, weights, 0.0)
+        if host == "another stream":
+            other = cuda_backend.xp.cuda.Stream(non_blocking=True)
+            other.wait_event(cuda_backend.xp.cuda.get_current_stream().record())
+            with other:
+                out = ops.linear(x, w)
+            cuda_backend.xp.cuda.get_current_stream().wait_event(other.record())
+            return out
+        return ops.linear(x, w)
+
+    want = hc.hc_post_pre_norm(S, (y,), post, comb, fn, sc, base, 20, 1e-6, 1e-6, norm)
+    want_out = launch(want[1]) if host != "none" else None
+    with split_hosting.hosting():
+        got = hc.hc_post_pre_norm(S, (y,), post, comb, fn, sc, base, 20, 1e-6, 1e-6, norm)
+        assert split_hosting.pending()
+        if host != "none":
+            np.testing.assert_array_equal(host_of(launch(got[1])), host_of(want_out))
+        assert split_hosting.pending() == (host in ("none", "another stream"))
+    assert not split_hosting.pending() and not split_hosting.enabled()
+    for g, wanted in zip(got, want, strict=True):
+        np.testing.assert_array_equal(host_of(g), host_of(wanted))
+    assert np.abs(host_of(got[3])).max() > 0  # comb
+    with pytest.raises(RuntimeError, match="a failed step"), split_hosting.hosting():
+        hc.hc_post_pre_norm(S, (y,), post, comb, fn, sc, base, 20, 1e-6, 1e-6, norm)
+        raise RuntimeError("a failed step")
+    assert not split_hosting.pending() and not split_hosting.enabled()
+
+
 def test_gate_up_refuses_a_quantized_activation_of_the_wrong_size(cuda_backend, rng):
     from ds4_backend_cuda import ops
 

@@ -14,9 +14,10 @@ from ds4_backend_cuda.modules import GLUE_SOURCES, source
 #: Kernels that load weights before they wait, and the helper they wait in.
 _WAIT_LATER = {"gemv_i8": "block_activation(", "gemv": "D::run("}
 #: The statements a kernel may run before its wait, each on constant data: filling a lookup table, prefetching the
-#: hyper-connection mix's weights, loading the router's first weights (into an array declared for them).
+#: hyper-connection mix's weights, loading the router's first weights (into an array declared for them); and the
+#: extra block of a launch that hosts a hyper-connection's split, which waits inside ``hosted_split``.
 _CONSTANT_PROLOGUES = {"I8<Q>::fill(table)", "mix_slice_prefetch<Q>(fn, row_bytes, M)", "uint4 q[ROUTER_BATCH]",
-                       "router_fetch(W, fmt, D, E, 0, q)"}
+                       "router_fetch(W, fmt, D, E, 0, q)", "if (hosted_split(HC_HOSTED_SPLIT_ARGS)) return"}
 
 
 def test_driver_structures_have_cuda_h_layout():
@@ -64,6 +65,7 @@ def test_every_programmatically_launched_kernel_waits_before_its_work():
                                                                       "constexpr "))]
         assert set(early) <= _CONSTANT_PROLOGUES, f"{name} runs {early} before grid_wait()"
     assert "grid_wait();" in source("quant_int8.cu").split("block_activation(", 1)[1].split("}", 1)[0]
+    assert "grid_wait();" in source("quant_int8.cu").split("bool hosted_split(", 1)[1].split("}", 1)[0]
     run = source("quant.cu").split("void run(", 1)[1]
     assert run.index("fetch(row, ks") < run.index("grid_wait();") < run.index("stage[slot] = buf[i]")
 

@@ -165,18 +165,23 @@ class CudaBackend(Backend):
 
         The real run fills a private memory pool with the step's scratch blocks, so recording allocates nothing new
         and the graph's scratch never returns to the shared pool (where other work could take it between replays).
-        A step the device cannot record (a host round trip inside it) logs why and gets no graph.
+        A step the device cannot record (a host round trip inside it) logs why and gets no graph. Both runs leave
+        their hyper-connections' Sinkhorn iterations to later launches (:mod:`.split_hosting`).
         """
+        from .split_hosting import hosting
+
         cupy = self.xp
         pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
         caller = cupy.cuda.get_current_stream()
         stream.wait_event(caller.record())
         with cupy.cuda.using_allocator(pool.malloc), stream:
-            outputs = step()
+            with hosting():
+                outputs = step()
             try:
                 stream.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeRelaxed)
                 try:
-                    recorded = step()
+                    with hosting():
+                        recorded = step()
                 finally:
                     graph = stream.end_capture()
             except Exception as exc:  # any failure to record leaves the eager step, which worked

@@ -15,6 +15,7 @@ import numpy as np
 from ds4_core.backend import Weight
 from ds4_core.errors import BackendError
 
+from . import split_hosting
 from .modules import glue_kernel, quant_kernel
 from .ops import (
     ACT_GROUP,
@@ -180,6 +181,7 @@ def hc_post_pre_norm(S: Any, ys: tuple[Any, ...], post: Any, comb: Any, fn: Weig
     (of up to two outputs: a MoE's routed and shared experts), the expansion, the next mix, and in each token's last
     block to finish the split, the collapse and its norm (``hc_expand_mix_norm``); a prefill's, one for the sum, the
     expansion and the streams' squares (``hc_expand_rows``), the mix's GEMM and ``hc_split_norm``."""
+    split_hosting.flush()  # post and comb are read here
     T, n, D = S.shape
     if len(ys) <= 2 and _prefill_norm_fits(T, n, D):  # the expansion also sums the outputs and squares the streams
         S, M = cp.ascontiguousarray(S, dtype=F32), (2 + n) * n
@@ -199,19 +201,25 @@ def _expand_mix_norm(S: Any, ys: tuple[Any, ...], post: Any, comb: Any, fn: Weig
                      iters: int, eps: float, norm_eps: float, norm: Weight, head: bool) -> tuple[Any, ...]:
     """``hc_expand_mix_norm`` of a decode step's few tokens (:func:`_split_norm_fits`, at most two outputs ``ys``):
     (streams, normalised input (:class:`Int8Rows` for one token on the int8 path), post, comb) of the next
-    sub-layer, or with ``head`` (streams, the model's normalised output) of ``hc_head`` and the output norm."""
+    sub-layer, or with ``head`` (streams, the model's normalised output) of ``hc_head`` and the output norm. One
+    token while a step is recorded (:func:`.split_hosting.hosting`): the split of the next sub-layer's mix row is
+    left to a later launch."""
     T, n, D = S.shape
     S = cp.ascontiguousarray(S, dtype=F32)
     out, M, slices = cp.empty_like(S), n if head else (2 + n) * n, n * D // MIX_SLICE
     part, normed, act, null = cp.empty((T, M + 1, slices), F32), cp.empty((T, D), F32), _act_of(T, D), np.uint64(0)
     sinkhorn = () if head else (cp.empty((T, n), F32), cp.empty((T, n), F32), cp.empty((T, n, n), F32))
     y2 = cp.ascontiguousarray(ys[1], dtype=F32) if len(ys) == 2 else null
+    scale32, base32 = cp.ascontiguousarray(values(scale), dtype=F32), cp.ascontiguousarray(values(base), dtype=F32)
+    row = cp.empty((T, M), F32) if not head and T == 1 and split_hosting.enabled() else None
     quant_kernel("hc_expand_mix_norm", fn.qtype)((slices, T), (HC_NORM_THREADS + 32,), (
         fn.data, np.int64(fn.data.shape[1]), np.int32(M), S, cp.ascontiguousarray(ys[0], dtype=F32), y2,
         cp.ascontiguousarray(post, dtype=F32), cp.ascontiguousarray(comb, dtype=F32), np.int32(D), out, part,
-        block_counts(fn), F32(norm_eps), cp.ascontiguousarray(values(scale), dtype=F32),
-        cp.ascontiguousarray(values(base), dtype=F32), np.int32(iters), F32(eps), *(sinkhorn or (null,) * 3),
-        cp.ascontiguousarray(values(norm), dtype=F32), normed, null if act is None else act))
+        block_counts(fn), F32(norm_eps), scale32, base32, np.int32(iters), F32(eps), *(sinkhorn or (null,) * 3),
+        cp.ascontiguousarray(values(norm), dtype=F32), normed, null if act is None else act,
+        null if row is None else row))
+    if row is not None:
+        split_hosting.defer(row, scale32, base32, iters, eps, *sinkhorn)
     return (out, normed if act is None else Int8Rows.of(normed, act), *sinkhorn[1:])  # post and comb
 
 
@@ -221,6 +229,7 @@ def hc_post_head_norm(S: Any, ys: tuple[Any, ...], post: Any, comb: Any, fn: Wei
     the RMSNorm with weight ``norm`` -> (streams, the model's normalised output): a decode step's few tokens of four
     streams in one launch (``hc_expand_mix_norm`` with its head), where a dozen small launches ran; else the
     composition."""
+    split_hosting.flush()  # post and comb are read here
     T, n, D = S.shape
     if len(ys) > 2 or not _split_norm_fits(T, n, D):
         S = hc_post(S, functools.reduce(operator.add, ys), post, comb)
@@ -230,6 +239,7 @@ def hc_post_head_norm(S: Any, ys: tuple[Any, ...], post: Any, comb: Any, fn: Wei
 
 def hc_post(S: Any, y: Any, post: Any, comb: Any) -> Any:
     """``S'_k = post_k · y + Σ_i comb[i, k] · S_i``; ``S [T, n, D]`` -> ``[T, n, D]``, one launch."""
+    split_hosting.flush()  # post and comb are read here
     S = cp.ascontiguousarray(S, dtype=F32)
     T, n, D = S.shape
     _check_streams(n)

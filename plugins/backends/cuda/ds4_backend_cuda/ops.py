@@ -18,6 +18,7 @@ import numpy as np
 from ds4_core.backend import Weight
 from ds4_core.errors import BackendError
 
+from . import split_hosting
 from .modules import INT8_TYPES, glue_kernel, quant_kernel
 from .prefill import (
     gemm_rows,
@@ -221,12 +222,13 @@ def gemv_launch(raw: Any, qtype: str, ncols: int, x: Any, ntok: int, y: Any, x_s
         if act_out is not None and (not writes_activation(qtype, nrows, ncols) or act_out.nbytes != act_bytes(nrows)):
             raise ValueError(f"this GEMV cannot write its {nrows} rows as a quantized activation of "
                              f"{act_bytes(nrows)} bytes (see writes_activation)")
-        null = np.uint64(0)
+        null, split = np.uint64(0), split_hosting.take()
         args = (raw, _i64(raw.shape[1]), _i32(nrows), _i32(ncols), x, _i32(group_rows), y, _i32(splits),
                 _i32(passes), *segs, null if norm is None else norm[0], F32(0 if norm is None else norm[1]),
-                null if act_in is None else act_in, null if act_out is None else act_out)
+                null if act_in is None else act_in, null if act_out is None else act_out,
+                *(split or split_hosting.no_split()))
         kernel = _activation_launch(quant_kernel("gemv1_i8", qtype), 0 if act_in is not None else groups * ncols)
-        return kernel, (-(-blocks // passes),), (32 * WARPS_PER_BLOCK,), args
+        return kernel, (-(-blocks // passes) + (split is not None),), (32 * WARPS_PER_BLOCK,), args
     if norm is not None or act_in is not None or act_out is not None:
         raise ValueError("only the int8 GEMV of one token folds an RMSNorm in or reads or writes a quantized "
                          "activation")
@@ -321,11 +323,13 @@ def moe_gate_up_launch(gate: Weight, up: Weight, idx: Any | None, x: Any, x_div:
             raise ValueError(f"a row group of this gate/up is split over 1, 2, 4 ... {warps} warps; got {splits}")
         if act_out is not None and splits != 1:
             raise ValueError("a gate/up that splits its rows over warps cannot write its output quantized")
-        grid = (-(-nrows // (warps // splits * ROWS_PER_WARP)), h.shape[0])
+        split = split_hosting.take()
+        grid = (-(-nrows // (warps // splits * ROWS_PER_WARP)) + (split is not None), h.shape[0])
         kernel = _activation_launch(quant_kernel("moe_gate_up_i8", gate.qtype), 0 if act_in is not None else ncols)
         null = np.uint64(0)
         return kernel, grid, (32 * warps,), (*args, _i32(splits), null if act_in is None else act_in,
-                                              null if act_out is None else act_out)
+                                              null if act_out is None else act_out,
+                                              *(split or split_hosting.no_split()))
     if act_in is not None or act_out is not None:
         raise ValueError("only the int8 kernels read or write a quantized activation")
     return quant_kernel("moe_gate_up", gate.qtype), grid, (32 * warps,), args

@@ -660,8 +660,9 @@ __device__ __forceinline__ void expand_mix_slice(const u8* __restrict__ fn, long
 // activation), and the extra warp runs the Sinkhorn meanwhile, into pre2, post2 and comb2. The same bits as
 // hc_expand, mix_slices and hc_split_norm one after the other, without their launches' waits. fn has M = (2 + n) · n
 // rows; with M = n, the model's end instead: the collapse's weights are hc_head's (the same formula as pre),
-// normalised with the output norm w, and no Sinkhorn (pre2, post2, comb2 unused). HC_NORM_THREADS + 32 threads,
-// grid (n · D / 256, T).
+// normalised with the output norm w, and no Sinkhorn (pre2, post2, comb2 unused). With mix_row (one token), the
+// last block writes the mix row there instead of running the Sinkhorn: a later launch runs it (split_hosting.py).
+// HC_NORM_THREADS + 32 threads, grid (n · D / 256, T).
 template <class Q>
 __global__ void __launch_bounds__(HC_NORM_THREADS + 32) hc_expand_mix_norm(
         const u8* __restrict__ fn, long long row_bytes, int M, const float* __restrict__ S, const float* __restrict__ y,
@@ -669,7 +670,7 @@ __global__ void __launch_bounds__(HC_NORM_THREADS + 32) hc_expand_mix_norm(
         float* __restrict__ out, float* __restrict__ part, int* __restrict__ count, float norm_eps,
         const float* __restrict__ scale, const float* __restrict__ base, int iters, float eps,
         float* __restrict__ pre2, float* __restrict__ post2, float* __restrict__ comb2, const float* __restrict__ w,
-        float* __restrict__ normed, u8* __restrict__ act) {
+        float* __restrict__ normed, u8* __restrict__ act, float* __restrict__ mix_row) {
     constexpr int N = HC_NORM_STREAMS;
     __shared__ float weight[N], row[(2 + N) * N], sums[(2 + N) * N + 1];
     __shared__ int last;
@@ -696,12 +697,15 @@ __global__ void __launch_bounds__(HC_NORM_THREADS + 32) hc_expand_mix_norm(
             if (warp == 0) {
                 hc_mix_divide(row, sums, M, N * D, norm_eps);
                 if (lane < N) weight[lane] = hc_sigmoid(row[lane] * scale[0] + base[lane]) + eps;
+                if (mix_row)
+                    for (int r = lane; r < M; r += 32) mix_row[t * M + r] = row[r];
             }
             asm volatile("bar.sync 0;" ::: "memory");
         });
     } else {
         asm volatile("bar.sync 0;" ::: "memory");
-        if (!head) hc_split4_lane(row, scale, base, iters, eps, pre2 + t * N, post2 + t * N, comb2 + t * N * N);
+        if (!head && !mix_row)
+            hc_split4_lane(row, scale, base, iters, eps, pre2 + t * N, post2 + t * N, comb2 + t * N * N);
     }
 }
 

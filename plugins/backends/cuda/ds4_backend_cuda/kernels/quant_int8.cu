@@ -278,6 +278,24 @@ __device__ __forceinline__ I8Act block_activation(const float* __restrict__ x, i
     return act;
 }
 
+// A hyper-connection's split left to this launch (split_hosting.py): with split_row not null, the launch has one
+// block more than its work needs, the last in x (for every y), and the one of them with blockIdx.y 0 waits for the
+// launch's predecessor, as every block does before it reads, and runs hc_split4_lane on the mix row; true for those
+// extra blocks, which leave before the launch's own work.
+#define HC_HOSTED_SPLIT_PARAMS                                                                                        \
+    const float *__restrict__ split_row, const float *__restrict__ split_scale,                                       \
+            const float *__restrict__ split_base, int split_iters, float split_eps, float *__restrict__ split_pre,     \
+            float *__restrict__ split_post, float *__restrict__ split_comb
+#define HC_HOSTED_SPLIT_ARGS \
+    split_row, split_scale, split_base, split_iters, split_eps, split_pre, split_post, split_comb
+__device__ __forceinline__ bool hosted_split(HC_HOSTED_SPLIT_PARAMS) {
+    if (!split_row || blockIdx.x != gridDim.x - 1) return false;
+    grid_wait();
+    if (blockIdx.y == 0 && threadIdx.x < 32)
+        hc_split4_lane(split_row, split_scale, split_base, split_iters, split_eps, split_pre, split_post, split_comb);
+    return true;
+}
+
 // y[r] = sum_c W[r, c] x[g(r), c] for one token, x[g] = x + g * ncols, g(r) = r / group_rows. A block is
 // GEMV_WARPS warps: GEMV_WARPS / KS groups of GEMV_ROWS rows, each row group split over KS warps by chunks and summed
 // in a fixed order; with KS = 1 the block makes P passes, each warp streaming its P row groups back to back (P = 1
@@ -290,7 +308,9 @@ template <class Q>
 __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_i8(
         const u8* __restrict__ w, long long row_bytes, int nrows, int ncols, const float* __restrict__ x,
         int group_rows, float* __restrict__ y, int KS, int P, const long long* __restrict__ segs, int nsegs,
-        const float* __restrict__ norm, float eps, const u8* __restrict__ act_in, u8* __restrict__ act_out) {
+        const float* __restrict__ norm, float eps, const u8* __restrict__ act_in, u8* __restrict__ act_out,
+        HC_HOSTED_SPLIT_PARAMS) {
+    if (hosted_split(HC_HOSTED_SPLIT_ARGS)) return;
     using D = WarpDot<I8<Q>, GEMV_ROWS, 1>;
     __shared__ uint4 stage[GEMV_WARPS][D::SLOTS];
     __shared__ float partial[GEMV_WARPS][GEMV_ROWS];
@@ -409,7 +429,9 @@ template <class Q>
 __global__ void __launch_bounds__(32 * GateUp<Q>::WARPS, GateUp<Q>::MIN) moe_gate_up_i8(
         const u8* __restrict__ wg, const u8* __restrict__ wu, long long expert_bytes, long long row_bytes,
         int nrows, int ncols, const int* __restrict__ idx, const float* __restrict__ x, int x_div, float limit,
-        float* __restrict__ h, int KS, const u8* __restrict__ act_in, u8* __restrict__ act_out) {
+        float* __restrict__ h, int KS, const u8* __restrict__ act_in, u8* __restrict__ act_out,
+        HC_HOSTED_SPLIT_PARAMS) {
+    if (hosted_split(HC_HOSTED_SPLIT_ARGS)) return;
     constexpr int WARPS = GateUp<Q>::WARPS;
     using D = WarpDot<I8<Q>, 2 * GEMV_ROWS, 1>;
     __shared__ uint4 stage[WARPS][D::SLOTS];
