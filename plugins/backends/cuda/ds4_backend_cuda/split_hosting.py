@@ -1,8 +1,9 @@
 """A recorded decode step's hyper-connection Sinkhorn, run by a later kernel beside its own work.
 
 ``hc_expand_mix_norm`` ends a sub-layer and makes the next one's input in one launch; its last block also ran the
-20 Sinkhorn iterations of the next sub-layer's ``comb``, ~1 µs of one lane that nothing after the launch waits for
-but the launch's own end, twice a layer on the step's critical path (a launch of their own cost more, session 30).
+20 Sinkhorn iterations of the next sub-layer's ``comb``, ~1 µs of one lane that only the sub-layer's end reads, yet
+the launch ended with them: twice a layer on the step's critical path (as a launch of their own, beside the step or
+in it, they cost more: docs/performance.md).
 While a decode step is recorded (:func:`hosting`), one token's hyper-connection writes its mix row and leaves the
 split (pre, post and comb from that row) pending here; the next int8 GEMV or gate/up launched on the same stream
 takes it (:func:`take`) as one extra block, which waits for its predecessor like the other blocks and runs
@@ -42,6 +43,7 @@ def hosting() -> Iterator[None]:
 
 
 def enabled() -> bool:
+    """Whether this thread is inside :func:`hosting`."""
     return getattr(_state, "enabled", False)
 
 
