@@ -1,11 +1,11 @@
 """The decode step's weight-streaming kernels alone, on DeepSeek V4 Flash shapes, with cold weights.
 
 A matrix read again and again stays partly in the 50 MB L2 and times faster than inside a step, so each kernel here
-reads a different copy or expert set on every launch: the routed IQ2_XXS gate/up and Q2_K down over 256 experts
-(a new set of 6 each launch, as in a step), and `attn_q_b` and `attn_output_b` (Q8_0) over four copies. Weights are
-random valid blocks tiled on the device as `ds4 bench` makes them (the kernels do not care that they repeat).
-Each kernel runs in a CUDA graph; the copy bandwidth that ``ds4 bench`` measures (a 4 GiB device-to-device copy),
-measured first, is the roof each GB/s figure is compared with.
+reads a different copy or expert set on every launch: the routed IQ2_XXS gate/up and Q2_K down over 256 experts (a new
+set of 6 each launch, as in a step), and `attn_q_b` and `attn_output_b` (Q8_0) and a CSA layer's F16 projections over
+four copies. Weights are random valid blocks tiled on the device as `ds4 bench` makes them (the kernels do not care that
+they repeat). Each kernel runs in a CUDA graph; the copy bandwidth that ``ds4 bench`` measures (a 4 GiB device-to-device
+copy), measured first, is the roof each GB/s figure is compared with.
 
 Usage: python benchmarks/decode_gemvs.py   (needs a GPU with the CUDA backend; a few GB of device memory)
 """
@@ -99,6 +99,7 @@ def main() -> None:
         launches = [call(*ops.gemv_launch(m, "Q8_0", D, x, 1, yl, int8=True, act_in=a)) for m in latents]
         report(name, graph_us(launches), latents[0].nbytes, roof)
     output_projection(roof)
+    f16_projections(x, roof)
 
 
 def output_projection(roof: float) -> None:
@@ -117,6 +118,22 @@ def output_projection(roof: float) -> None:
             ops.gemv_launch(a, "Q8_0", cols, x, 1, low, groups * cols, rows, int8=True, act_in=a_in, act_out=handed),
             ops.gemv_launch(b, "Q8_0", groups * rows, low, 1, y, int8=True, act_in=handed))]
         report(name, 2 * graph_us(launches), nbytes, roof)
+
+
+def f16_projections(x: cp.ndarray, roof: float) -> None:
+    """A CSA layer's float-activation F16 GEMVs: the compressors' and the indexer's projections of the layer's input
+    (one launch over five matrices, ``linears``) and the indexer's query projection, over four copies each."""
+    rows = (1024, 1024, 256, 256, 64)
+    sets = [[device_blocks("F16", r, D) for r in rows] for _ in range(4)]
+    y = cp.empty((1, sum(rows)), cp.float32)
+    tables = [ops._segment_table(rows, tuple(m.data.ptr for m in mats)) for mats in sets]
+    launches = [call(*ops.gemv_launch(mats[0], "F16", D, x, 1, y, segments=(table, sum(rows))))
+                for mats, table in zip(sets, tables, strict=True)]
+    report("compressors + indexer F16", graph_us(launches), sum(m.nbytes for m in sets[0]), roof)
+    queries = [device_blocks("F16", 8192, 1024) for _ in range(4)]
+    xq, yq = cp.asarray(rng.standard_normal((1, 1024)).astype(np.float32)), cp.empty((1, 8192), cp.float32)
+    launches = [call(*ops.gemv_launch(m, "F16", 1024, xq, 1, yq)) for m in queries]
+    report("indexer attn_q_b F16", graph_us(launches), queries[0].nbytes, roof)
 
 
 if __name__ == "__main__":
