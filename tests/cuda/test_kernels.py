@@ -351,7 +351,8 @@ def test_moe_route(cuda_backend, rng, T, E, k, ties):
 @pytest.mark.parametrize("qtype", ["F16", "BF16", "F32"])
 def test_moe_gate_route(cuda_backend, rng, T, E, D, k, qtype):
     """The router's projection and choice in one launch (the last block to finish chooses) against the projection
-    then moe_route and the numpy reference; three launches in a row, so the blocks' counts are back at 0 after each."""
+    then moe_route and the numpy reference; three launches in a row, so the blocks' counts are back at 0 after each.
+    Then a hash layer's experts (given ids, repeats among them, no bias) weighed in the same launch."""
     from ds4_backend_cuda import ops
     from ds4_model_deepseek4 import ops as dref
 
@@ -367,6 +368,15 @@ def test_moe_gate_route(cuda_backend, rng, T, E, D, k, qtype):
         want_idx, want_w = dref.moe_gate_route(x, gate_ref, bias_ref, k, 1.5)
         np.testing.assert_array_equal(idx, want_idx)
         np.testing.assert_allclose(w, want_w, rtol=1e-4)
+    fixed = rng.integers(0, E, (T, k)).astype(np.int32)
+    fixed[0, -1] = fixed[0, 0]
+    x = rng.standard_normal((T, D), dtype=np.float32)
+    for _ in range(2):
+        idx, w = map(host, ops.moe_gate_route(xp(x), gate, None, k, 1.5, xp(fixed)))
+        np.testing.assert_array_equal(idx, fixed)
+        apart_w = host(ops.moe_route(ops.linear(xp(x), gate), None, k, 1.5, xp(fixed))[1])
+        np.testing.assert_allclose(w, apart_w, rtol=1e-5)
+        np.testing.assert_allclose(w, dref.moe_gate_route(x, gate_ref, None, k, 1.5, fixed)[1], rtol=1e-4)
 
 
 # n = 6: the Sinkhorn matrix spans two registers per lane and is summed lane by lane; n = 2, 4: by butterflies.

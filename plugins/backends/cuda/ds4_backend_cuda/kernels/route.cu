@@ -98,6 +98,23 @@ __device__ void route_choose(const float* __restrict__ l, const float* __restric
     }
 }
 
+// A token's given experts e [k] and their weights from its logits l [E], by its first k threads: thread j writes e[j]
+// and its weight, the scores summed in route_weights' order, with route_scores' arithmetic (read through L2: other
+// blocks of the launch wrote l).
+__device__ __forceinline__ void route_fixed(const float* __restrict__ l, const int* __restrict__ e, int kind, int k,
+                                            int normalize, float scale, int* __restrict__ idx, float* __restrict__ w) {
+    const int j = threadIdx.x;
+    if (j >= k) return;
+    float sum = 0.f, mine = 0.f;
+    for (int q = 0; q < k; ++q) {
+        const float s = route_score(__ldcg(l + e[q]), kind);
+        sum += s;
+        if (q == j) mine = s;
+    }
+    idx[j] = e[j];
+    w[j] = (normalize ? mine / (sum + 1e-20f) : mine) * scale;
+}
+
 // route_choose for token t = blockIdx.x of logits [T, E]; idx, w [T, k]; dynamic shared memory E + k floats.
 extern "C" __global__ void route_topk(const float* __restrict__ logits, const float* __restrict__ bias, int kind,
                                       int E, int k, int normalize, float scale, int* __restrict__ idx,
@@ -160,7 +177,9 @@ __device__ __forceinline__ void router_fetch(const unsigned char* __restrict__ W
 // The router of a few tokens in one launch: logits[t, e] = W[e] . x[t] for the E experts (W's rows of D columns, D a
 // multiple of 8, in format fmt as router_dot16 reads them); then the last block of token t = blockIdx.y to finish
 // (count[t] in global memory counts them, and that block sets it back to 0) makes the choice as route_topk does. A
-// launch and the logits' round trip fewer than a GEMV, then route_topk.
+// launch and the logits' round trip fewer than a GEMV, then route_topk. With fixed [T, k] (a hash layer's experts,
+// from its table), that block takes those instead and weighs them as route_scores and route_weights would: two
+// launches fewer.
 // A block projects ROUTER_ROWS rows, each split over ROUTER_SPLIT warps, and a lane loads ROUTER_BATCH 16-byte words
 // and the columns of x under them before it uses them: Flash's 8 KB rows take one batch, so the projection waits on
 // memory about once (a warp a row, loading as it went, took 12.3 us on the H200); the first batch is loaded before the
@@ -169,7 +188,7 @@ __device__ __forceinline__ void router_fetch(const unsigned char* __restrict__ W
 extern "C" __global__ void __launch_bounds__(ROUTER_THREADS) route_linear_topk(
         const unsigned char* __restrict__ W, int fmt, const float* __restrict__ x, int D, int E,
         float* __restrict__ logits, int* __restrict__ count, const float* __restrict__ bias, int kind, int k,
-        int normalize, float scale, int* __restrict__ idx, float* __restrict__ w) {
+        int normalize, float scale, int* __restrict__ idx, float* __restrict__ w, const int* __restrict__ fixed) {
     extern __shared__ float choice[];
     __shared__ float part[ROUTER_THREADS / 32];
     __shared__ int last;
@@ -210,6 +229,11 @@ extern "C" __global__ void __launch_bounds__(ROUTER_THREADS) route_linear_topk(
     if (!last) return;
     if (threadIdx.x == 0) count[t] = 0;  // every block has counted: ready for the next launch
     __threadfence();
+    if (fixed) {
+        route_fixed(logits + (size_t)t * E, fixed + (size_t)t * k, kind, k, normalize, scale, idx + (size_t)t * k,
+                    w + (size_t)t * k);
+        return;
+    }
     route_choose(logits + (size_t)t * E, bias, kind, E, k, normalize, scale, idx + (size_t)t * k, w + (size_t)t * k,
                  choice);
 }
