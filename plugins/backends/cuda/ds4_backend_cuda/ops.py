@@ -226,7 +226,7 @@ def gemv_launch(raw: Any, qtype: str, ncols: int, x: Any, ntok: int, y: Any, x_s
         args = (raw, _i64(raw.shape[1]), _i32(nrows), _i32(ncols), x, _i32(group_rows), y, _i32(splits),
                 _i32(passes), *segs, null if norm is None else norm[0], F32(0 if norm is None else norm[1]),
                 null if act_in is None else act_in, null if act_out is None else act_out,
-                *(split or split_hosting.no_split()))
+                *(split or split_hosting.NO_SPLIT))
         kernel = _activation_launch(quant_kernel("gemv1_i8", qtype), 0 if act_in is not None else groups * ncols)
         return kernel, (-(-blocks // passes) + (split is not None),), (32 * WARPS_PER_BLOCK,), args
     if norm is not None or act_in is not None or act_out is not None:
@@ -329,7 +329,7 @@ def moe_gate_up_launch(gate: Weight, up: Weight, idx: Any | None, x: Any, x_div:
         null = np.uint64(0)
         return kernel, grid, (32 * warps,), (*args, _i32(splits), null if act_in is None else act_in,
                                               null if act_out is None else act_out,
-                                              *(split or split_hosting.no_split()))
+                                              *(split or split_hosting.NO_SPLIT))
     if act_in is not None or act_out is not None:
         raise ValueError("only the int8 kernels read or write a quantized activation")
     return quant_kernel("moe_gate_up", gate.qtype), grid, (32 * warps,), args

@@ -70,10 +70,8 @@ def take() -> tuple | None:
     return job[1]
 
 
-def no_split() -> tuple:
-    """The arguments of a launch that hosts no split."""
-    null = np.uint64(0)
-    return null, null, null, np.int32(0), np.float32(0), null, null, null
+#: The arguments of a launch that hosts no split.
+NO_SPLIT: tuple = (np.uint64(0),) * 3 + (np.int32(0), np.float32(0)) + (np.uint64(0),) * 3
 
 
 def flush() -> None:
