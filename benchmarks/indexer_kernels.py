@@ -1,8 +1,9 @@
 """The CSA indexer's two decode kernels, each path timed inside CUDA graphs and checked against numpy.
 
 * ``indexer_scores`` for one query row of DeepSeek V4 Flash's indexer (64 heads of 128) over R compressed keys: the
-  one-launch kernel (``indexer_scores_rows``) and the two-launch path (products, then ``relu_head_sum``), next to
-  the time the key bytes take at 4.5 TB/s.
+  dispatched one-launch kernel (``indexer_scores_spread`` where its blocks of 8 keys take one wave, else
+  ``indexer_scores_rows``), ``indexer_scores_rows`` pinned, and the two-launch path (products, then
+  ``relu_head_sum``), next to the time the key bytes take at 4.5 TB/s.
 * ``index_select`` of k = 512 rows of one score row of R: the dispatched kernel, the rank count and the radix select,
   each pinned in turn.
 
@@ -51,23 +52,26 @@ def graph_us(fn: Callable[[], Any]) -> tuple[float, np.ndarray]:
     return cp.cuda.get_elapsed_time(start, end) * 1e3 / (CALLS * LAUNCHES), cp.asnumpy(out)
 
 
-def two_launch_scores(q: Any, keys: Any, head_weights: Any, scale: float) -> Any:
-    """``ops.indexer_scores`` with the one-launch kernel refused (no head count fits it)."""
-    fits = ops._SCORE_HEADS
-    ops._SCORE_HEADS = 0
+def pinned_scores(name: str, value: int, q: Any, keys: Any, head_weights: Any, scale: float) -> Any:
+    """``ops.indexer_scores`` with its dispatch constant ``name`` set to ``value``."""
+    kept = getattr(ops, name)
+    setattr(ops, name, value)
     try:
         return ops.indexer_scores(q, keys, head_weights, scale)
     finally:
-        ops._SCORE_HEADS = fits
+        setattr(ops, name, kept)
 
 
 def scores_table(rng: np.random.Generator) -> None:
-    for R in (512, 2048, 8192, 16384):
+    for R in (512, 1024, 2048, 4096, 8192, 16384):
         q, keys, hw = (rng.standard_normal(s, dtype=np.float32) for s in ((1, 64, 128), (R, 128), (1, 64)))
         want = scores_reference(q, keys, hw, 0.1)
         dq, dk, dh = cp.asarray(q), cp.asarray(keys), cp.asarray(hw)
         line = f"indexer_scores R={R:6d}: keys {R * 512 / 4.5e6:5.2f} us at 4.5 TB/s"
-        for name, fn in (("one launch", ops.indexer_scores), ("two launches", two_launch_scores)):
+        paths = (("dispatched", ops.indexer_scores),
+                 ("blocks of 32", functools.partial(pinned_scores, "_SPREAD_BLOCKS", 0)),  # no spread fits
+                 ("two launches", functools.partial(pinned_scores, "_SCORE_HEADS", 0)))  # no one-launch kernel fits
+        for name, fn in paths:
             us, got = graph_us(functools.partial(fn, dq, dk, dh, 0.1))
             line += f" | {name} {us:7.2f} us{'' if np.allclose(got, want, rtol=1e-4, atol=1e-4) else ' WRONG'}"
         print(line, flush=True)

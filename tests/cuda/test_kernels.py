@@ -178,15 +178,21 @@ def test_sparse_attention_and_indexer(cuda_backend, with_sinks, T, K, rng):
     np.testing.assert_allclose(got, ref.indexer_scores(q, kv, hw, 0.3), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize(("T", "H", "D", "R"), [(1, 64, 128, 3000), (3, 64, 128, 33), (1, 64, 128, 1),
-                                                (2, 32, 128, 700), (8, 7, 40, 100), (2, 65, 128, 300),
-                                                (9, 64, 128, 200), (2, 11, 42, 50)])
-def test_indexer_scores_at_indexer_shapes(cuda_backend, T, H, D, R, rng):
-    """The lightning indexer's scores at DeepSeek V4's shape (64 heads of 128) and GLM 5's (32), for one and a few
-    query rows over keys that fill no, one or many blocks of 32, heads and channels that fill no group of 4 and no
-    stage of 32; past 64 heads, past 8 rows or on rows of no whole float4s the products go to the two-launch path."""
+@pytest.mark.parametrize("tiles_only", [False, True])
+@pytest.mark.parametrize(("T", "H", "D", "R"), [(1, 64, 128, 544), (1, 64, 128, 3000), (1, 64, 128, 20000),
+                                                (3, 64, 128, 33), (1, 64, 128, 1), (2, 32, 128, 500),
+                                                (8, 7, 40, 100), (2, 65, 128, 300), (9, 64, 128, 200),
+                                                (2, 11, 42, 50), (1, 8, 132, 40)])
+def test_indexer_scores_at_indexer_shapes(cuda_backend, monkeypatch, tiles_only, T, H, D, R, rng):
+    """The lightning indexer's scores at DeepSeek V4's shape (64 heads of 128) and GLM 5's (32), for one and a few query
+    rows over keys that fill no, one or many blocks, heads and channels that fill no group of 4 and no warp's share: in
+    blocks of 8 keys where they take a multiprocessor each at most (a decode step's 544 keys at 2K context), else of 32
+    (3000, 20000 keys, or past 128 channels), and with blocks of 32 alone; past 64 heads, 8 query rows, or on rows of no
+    whole float4s, the products go to the two-launch path."""
     from ds4_backend_cuda import ops
 
+    if tiles_only:
+        monkeypatch.setattr(ops, "_SPREAD_BLOCKS", 0)
     q = rng.standard_normal((T, H, D), dtype=np.float32)
     keys = rng.standard_normal((R, D), dtype=np.float32)
     hw = rng.standard_normal((T, H), dtype=np.float32)

@@ -163,11 +163,12 @@ def recurrent_module() -> Any:
 GLUE_SOURCES: tuple[str, ...] = ("select.cu", "rows.cu", "hc.cu", "norm.cu", "attention.cu", "route.cu",
                                  "compress.cu")
 GLUE_KERNELS: tuple[str, ...] = ("topk_rank", "dot_rows", "mix_rows", "relu_head_sum", "indexer_scores_rows",
-                                 "hc_split", "hc_split_norm", "hc_split_norm_rows", "hc_collapse", "hc_expand",
-                                 "hc_expand_rows", "rms_norm_rows", "rms_norm_warps", "row_squares", "rope_rows",
-                                 "rope_tail", "attend_rows", "attend_merge", "attend_softmax", "route_scores",
-                                 "route_weights", "route_topk", "route_linear_topk", "compress_pool", "compress_finish",
-                                 "index_select", "index_select_radix", "window_softmax")
+                                 "indexer_scores_spread", "hc_split", "hc_split_norm", "hc_split_norm_rows",
+                                 "hc_collapse", "hc_expand", "hc_expand_rows", "rms_norm_rows", "rms_norm_warps",
+                                 "row_squares", "rope_rows", "rope_tail", "attend_rows", "attend_merge",
+                                 "attend_softmax", "route_scores", "route_weights", "route_topk", "route_linear_topk",
+                                 "compress_pool", "compress_finish", "index_select", "index_select_radix",
+                                 "window_softmax")
 
 
 @functools.cache

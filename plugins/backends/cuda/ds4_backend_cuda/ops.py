@@ -851,12 +851,17 @@ def norm_rope_attention(q: Any, eps: float, kv: Any, idx: Any, sinks: Weight | N
 
 #: Most heads and the keys of one block of ``indexer_scores_rows`` (SCORE_HEADS, SCORE_KEYS in ``kernels/rows.cu``).
 _SCORE_HEADS, _SCORE_KEYS = 64, 32
+#: ``indexer_scores_spread``'s keys a block, most channels and threads (SPREAD_* in ``kernels/rows.cu``), and the most
+#: blocks a multiprocessor for which it is taken: one (at 2048 keys, two a multiprocessor took 5.8 µs on the H200
+#: where blocks of 32 keys took 5.0; at 1024 keys, 3.4 against 5.0: ``benchmarks/indexer_kernels.py``).
+_SPREAD_KEYS, _SPREAD_DEPTH, _SPREAD_THREADS, _SPREAD_BLOCKS = 8, 128, 256, 1
 
 
 def indexer_scores(q: Any, keys: Any, head_weights: Any, scale: float) -> Any:
-    """``s[t, r] = Σ_h head_weights[t, h] · ReLU(q[t, h] · keys[r]) · scale`` -> ``[T, R]``. Few tokens: one launch
-    that reads each key once per token (``indexer_scores_rows``); else the products by cuBLAS, then one launch for
-    the rest (``relu_head_sum``)."""
+    """``s[t, r] = Σ_h head_weights[t, h] · ReLU(q[t, h] · keys[r]) · scale`` -> ``[T, R]``. Few tokens: one launch that
+    reads each key once per token, in blocks of 8 keys where those take one block a multiprocessor
+    (``indexer_scores_spread``: a decode step up to ~4K tokens of context), else of 32 (``indexer_scores_rows``); many
+    tokens: the products by cuBLAS, then one launch for the rest (``relu_head_sum``)."""
     q = cp.ascontiguousarray(q, dtype=F32)
     keys = cp.ascontiguousarray(keys, dtype=F32)
     head_weights = cp.ascontiguousarray(head_weights, dtype=F32)
@@ -866,8 +871,12 @@ def indexer_scores(q: Any, keys: Any, head_weights: Any, scale: float) -> Any:
     if not out.size:
         return out
     if T <= GEMV_TOKENS and H <= _SCORE_HEADS and D % 4 == 0:  # rows of whole float4s
-        glue_kernel("indexer_scores_rows")((-(-R // _SCORE_KEYS), T), (_SCORE_HEADS // 4 * _SCORE_KEYS // 4,), (
-            q, keys, head_weights, _i32(H), _i32(R), _i32(D), F32(scale), out))
+        args = (q, keys, head_weights, _i32(H), _i32(R), _i32(D), F32(scale), out)
+        spread = -(-R // _SPREAD_KEYS)
+        if D <= _SPREAD_DEPTH and spread * T <= _SPREAD_BLOCKS * _multiprocessors(cp.cuda.Device().id):
+            glue_kernel("indexer_scores_spread")((spread, T), (_SPREAD_THREADS,), args)
+        else:
+            glue_kernel("indexer_scores_rows")((-(-R // _SCORE_KEYS), T), (_SCORE_HEADS // 4 * _SCORE_KEYS // 4,), args)
         return out
     dots = cp.ascontiguousarray(contract_dot(q, keys), dtype=F32)
     glue_kernel("relu_head_sum")((-(-R // _THREADS), T), (_THREADS,), (

@@ -140,6 +140,78 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS) indexer_scores_rows(
     }
 }
 
+// indexer_scores_rows' scores for few keys, D <= SPREAD_DEPTH: a decode step's few hundred keys fill a dozen of its
+// 32-key blocks and leave most multiprocessors idle, so here a block takes SPREAD_KEYS keys of one query row and all
+// its heads, a block a multiprocessor at most (ops.py's dispatch). The warps split the channels
+// (warp w the float4 quads w, w + SPREAD_WARPS, ...): a lane holds its 4 heads' channels in registers and a 4-head x
+// 4-key tile of fp32 products, and the warps' tiles are summed in shared memory before the ReLU. Missing heads are
+// zero. grid (ceil(J / SPREAD_KEYS), T), SPREAD_THREADS threads.
+#define SPREAD_KEYS 8
+#define SPREAD_WARPS 8
+#define SPREAD_THREADS (32 * SPREAD_WARPS)
+#define SPREAD_QUADS 4  // a warp's float4s of a row: with the other warps', DeepSeek V4's 128 channels
+#define SPREAD_DEPTH (4 * SPREAD_WARPS * SPREAD_QUADS)
+static_assert(SPREAD_THREADS == SPREAD_KEYS * SPREAD_DEPTH / 4, "a thread stages one float4 of the block's keys");
+static_assert(SPREAD_THREADS == SCORE_HEADS / 2 * SPREAD_KEYS, "a thread sums two heads of one key");
+
+extern "C" __global__ void __launch_bounds__(SPREAD_THREADS, 2) indexer_scores_spread(
+        const float* __restrict__ q, const float* __restrict__ keys, const float* __restrict__ w, int H, int J, int D,
+        float scale, float* __restrict__ s) {
+    grid_wait();
+    __shared__ float4 ks[SPREAD_KEYS][SPREAD_DEPTH / 4];
+    __shared__ __align__(16) float part[SPREAD_WARPS][SCORE_HEADS][SPREAD_KEYS + 4];  // padded against conflicts
+    __shared__ float key_sum[SPREAD_WARPS][SPREAD_KEYS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int h0 = 4 * (lane >> 1), k0 = 4 * (lane & 1);  // this lane's heads h0.. and keys k0.. of the block's
+    const int kr = threadIdx.x / (SPREAD_DEPTH / 4), kq = threadIdx.x % (SPREAD_DEPTH / 4);  // the key quad it stages
+    const int k = threadIdx.x % SPREAD_KEYS, g = threadIdx.x / SPREAD_KEYS;  // in the sums: key k, heads 2g, 2g + 1
+    const long long t = blockIdx.y;
+    const int j0 = blockIdx.x * SPREAD_KEYS;
+    const float* qt = q + t * H * D;
+    const float4 staged = score_load(keys, j0 + kr, J, 4 * kq, D);
+    float4 a[SPREAD_QUADS][4];
+#pragma unroll
+    for (int r = 0; r < SPREAD_QUADS; ++r)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[r][i] = score_load(qt, h0 + i, H, 4 * (warp + r * SPREAD_WARPS), D);
+    const float wg[2] = {2 * g < H ? w[t * H + 2 * g] : 0.f, 2 * g + 1 < H ? w[t * H + 2 * g + 1] : 0.f};
+    ks[kr][kq] = staged;
+    __syncthreads();
+    float acc[4][4] = {};
+#pragma unroll
+    for (int r = 0; r < SPREAD_QUADS; ++r)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float4 b = ks[k0 + j][warp + r * SPREAD_WARPS];
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                acc[i][j] = fmaf(a[r][i].w, b.w, fmaf(a[r][i].z, b.z, fmaf(a[r][i].y, b.y,
+                            fmaf(a[r][i].x, b.x, acc[i][j]))));
+        }
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        *reinterpret_cast<float4*>(&part[warp][h0 + i][k0]) = make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+    __syncthreads();
+    float v = 0.f;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        float dot = 0.f;
+#pragma unroll
+        for (int x = 0; x < SPREAD_WARPS; ++x) dot += part[x][2 * g + e][k];
+        v = fmaf(wg[e], fmaxf(dot, 0.f), v);
+    }
+#pragma unroll
+    for (int o = SPREAD_KEYS; o < 32; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);  // the warp's heads, by key
+    if (lane < SPREAD_KEYS) key_sum[warp][lane] = v;
+    __syncthreads();
+    if (threadIdx.x < SPREAD_KEYS && j0 + threadIdx.x < J) {
+        float total = 0.f;
+#pragma unroll
+        for (int x = 0; x < SPREAD_WARPS; ++x) total += key_sum[x][threadIdx.x];
+        s[t * J + j0 + threadIdx.x] = total * scale;
+    }
+}
+
 // s[t, j] = scale · sum_h w[t, h] · max(dots[t, h, j], 0) for dots [T, H, J]: the lightning indexer's score from its
 // per-head products in one launch (as array code: ReLU, product, sum, scale); one thread per (t, j), heads in order;
 // grid (ceil(J / blockDim.x), T).
