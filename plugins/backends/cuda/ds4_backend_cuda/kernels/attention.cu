@@ -192,7 +192,7 @@ __device__ __forceinline__ float block_reduce(float v, float* scratch, Combine c
 // not null (d a multiple of 32), each token's output row of H · d values is also written there as the int8
 // activation of the GEMV that reads it (act.cuh; tokens act_bytes(H · d) apart). grid (ceil(d / blockDim.x), H, T),
 // blockDim.x a multiple of 32, dynamic shared memory tiles floats.
-#define MERGE_AHEAD 16  // tiles of attend_merge loaded before the statistics' reductions (a Flash CSA layer has 20)
+#define MERGE_AHEAD 20  // tiles of attend_merge loaded before the statistics' reductions: all of a Flash CSA layer's
 extern "C" __global__ void attend_merge(const float* __restrict__ part, const float2* __restrict__ stats,
                                         const float* __restrict__ sinks, int H, int tiles, int d,
                                         float* __restrict__ out, const int* __restrict__ pos,
