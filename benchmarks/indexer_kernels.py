@@ -1,8 +1,8 @@
 """The CSA indexer's two decode kernels, each path timed inside CUDA graphs and checked against numpy.
 
 * ``indexer_scores`` for one query row of DeepSeek V4 Flash's indexer (64 heads of 128) over R compressed keys: the
-  dispatched one-launch kernel (``indexer_scores_spread`` where its blocks of 8 keys take one wave, else
-  ``indexer_scores_rows``), ``indexer_scores_rows`` pinned, and the two-launch path (products, then
+  dispatched one-launch kernel (``indexer_scores_spread`` where its blocks of 8 keys are at most one a
+  multiprocessor, else ``indexer_scores_rows``), ``indexer_scores_rows`` pinned, and the two-launch path (products, then
   ``relu_head_sum``), next to the time the key bytes take at 4.5 TB/s.
 * ``index_select`` of k = 512 rows of one score row of R: the dispatched kernel, the rank count and the radix select,
   each pinned in turn.
