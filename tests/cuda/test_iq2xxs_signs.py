@@ -1,12 +1,15 @@
-"""The IQ2_XXS sign masks of the integer kernels (``I8<IQ2_XXS>::sign_masks`` in quant_int8.cu), computed on the
-host as the device computes them: the 64-bit multiply, the parity's multiply-add modulo 2^32 and PTX ``prmt.b32``'s
-sign mode, with the constants read from the kernel source."""
+"""The IQ2_XXS signed weights of the integer kernels (``I8<IQ2_XXS>`` in quant_int8.cu), made on the host as the device
+makes them: a grid row's code nibbles or-ed with a sign index's spread bits select bytes of the kernel's two palette
+words through PTX ``prmt.b32``, with the palette read from the kernel source."""
 
 from __future__ import annotations
 
 import re
 
+import numpy as np
 from ds4_backend_cuda.modules import source
+
+from ds4_core.quants import iq2xxs_tables
 
 
 def _prmt(a: int, b: int, selector: int) -> int:
@@ -23,15 +26,23 @@ def _prmt(a: int, b: int, selector: int) -> int:
     return out
 
 
-def test_sign_masks_flag_the_negative_elements_of_every_sign_index():
-    text = source("quant_int8.cu")
-    multiplier = int(re.search(r"\(u64\)s7 \* (0x[0-9A-Fa-f]+)ull", text).group(1), 16)
-    parity_weight = int(re.search(r"mad\.lo\.u32 %0, %1, (0x[0-9A-Fa-f]+), %2;", text).group(1), 16)
-    selector = int(re.search(r'prmt\.b32 %0, %1, 0, (0x[0-9A-Fa-f]+);', text).group(1), 16)
+def _signed(word: int) -> list[int]:
+    return [((word >> (8 * i)) & 0xFF) - (256 if (word >> (8 * i)) & 0x80 else 0) for i in range(4)]
 
-    for s7 in range(128):
-        spread = (s7 * multiplier) & (1 << 64) - 1
-        hi = (bin(s7).count("1") * parity_weight + (spread >> 32)) & 0xFFFFFFFF
-        masks = _prmt(spread & 0xFFFFFFFF, 0, selector) | _prmt(hi, 0, selector) << 32
-        bits = s7 | (bin(s7).count("1") & 1) << 7  # the eighth sign makes the count of negatives even
-        assert masks == sum(0xFF << (8 * i) for i in range(8) if bits >> i & 1), s7
+
+def test_palette_picks_give_every_grid_row_under_every_sign_index():
+    text = source("quant_int8.cu")
+    pos = int(re.search(r"PALETTE_POS = (0x[0-9A-Fa-f]+)u", text).group(1), 16)
+    neg = int(re.search(r"PALETTE_NEG = (0x[0-9A-Fa-f]+)u", text).group(1), 16)
+    grid = np.asarray(iq2xxs_tables()[0]).reshape(256, 8).astype(int)
+    assert set(np.unique(grid)) == {8, 25, 43}  # what the three codes stand for
+    code = {8: 0, 25: 1, 43: 2}
+
+    for row in grid:
+        codes = sum(code[int(m)] << (4 * e) for e, m in enumerate(row))  # fill()'s code word
+        for s7 in range(128):
+            bits = s7 | (bin(s7).count("1") & 1) << 7  # the eighth sign makes the count of negatives even
+            spread = sum(((bits >> e) & 1) << (4 * e + 2) for e in range(8))  # fill()'s sign word
+            selectors = codes | spread
+            got = _signed(_prmt(pos, neg, selectors & 0xFFFF)) + _signed(_prmt(pos, neg, selectors >> 16))
+            assert got == [int(m) * (-1 if bits >> e & 1 else 1) for e, m in enumerate(row)], (row, s7)

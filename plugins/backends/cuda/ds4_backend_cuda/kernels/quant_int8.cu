@@ -137,51 +137,56 @@ struct I8<Q2_K> : Q2_K {
     }
 };
 
-// Group g: 4 grid indices (bytes) and aux (four 7-bit sign indices, 4-bit scale) at b + 2 + 8g. Table: the grid
-// (256 x 8 magnitudes). A sign index becomes byte masks (byte i = 0xFF when element i is negative; the eighth sign
-// is the parity of the seven stored) by arithmetic, not a second table: shared-memory lookups cost more here (with
-// a sign table the routed gate/up took 30.3 µs, with arithmetic 23.7). With mask s, dp4a(m ^ s, q) - dp4a(s, q) is
-// the signed dot: m ^ 0xFF reads as -m - 1 and dp4a(s, q) is minus the sum of the negated activations.
+// Group g: 4 grid indices (bytes) and aux (four 7-bit sign indices, 4-bit scale) at b + 2 + 8g. A grid row's
+// magnitudes are 8, 25 or 43, so eight signed weights are eight picks from the palette {8, 25, 43, -8, -25, -43}:
+// one prmt per four of them, whose selector nibbles are the magnitude's code (0-2) plus 4 when the weight is
+// negative. Tables: the grid rows as eight code nibbles (256 words), and each 7-bit sign index with its parity as
+// the eighth sign spread to bit 2 of each nibble (128 words); a group of 8 weights is then two lookups, an or, two
+// prmts and two dp4as, where byte masks of the signs and a second dp4a for the negated sum took eighteen.
 template <>
 struct I8<IQ2_XXS> : IQ2_XXS {
-    static constexpr int CHUNK = 4, TABLE = 256 * 8;
+    static constexpr int CHUNK = 4, CODES = 256, SIGNS = 128, TABLE = 4 * (CODES + SIGNS);
+    static constexpr u32 PALETTE_POS = 0x002B1908u, PALETTE_NEG = 0x00D5E7F8u;  // bytes 8, 25, 43 and their negations
     static __device__ __forceinline__ void fill(u8* table) {  // by all threads of the block
-        for (int i = threadIdx.x; i < 256 * 8 / 16; i += blockDim.x)
-            reinterpret_cast<uint4*>(table)[i] = reinterpret_cast<const uint4*>(iq2xxs_grid)[i];
+        u32* words = reinterpret_cast<u32*>(table);
+        for (int i = threadIdx.x; i < CODES + SIGNS; i += blockDim.x) {
+            u32 word = 0;
+            if (i < CODES) {
+                const uint2 row = reinterpret_cast<const uint2*>(iq2xxs_grid)[i];
+#pragma unroll
+                for (int e = 0; e < 8; e++) {
+                    const u32 m = ((e < 4 ? row.x : row.y) >> (8 * (e % 4))) & 255;
+                    word |= (m == 8 ? 0u : m == 25 ? 1u : 2u) << (4 * e);
+                }
+            } else {
+                const u32 s7 = i - CODES, s8 = s7 | (__popc(s7) & 1) << 7;
+#pragma unroll
+                for (int e = 0; e < 8; e++) word |= ((s8 >> e) & 1) << (4 * e + 2);
+            }
+            words[i] = word;
+        }
         __syncthreads();  // every warp reads the whole table, and with an activation read in place no other barrier
     }                     // comes before the first read
-    // s7 times 2^7 + 2^14 + ... + 2^49 puts bit i on bit 8i + 7, the top bit of byte i, and no two partial products
-    // meet (bit i times the constant's bit 7k + 7 lands on bit i + 7k + 7: one (i, k) a bit, as i < 7); the eighth
-    // sign, the parity of the seven, is added on bit 63. prmt's sign mode (selector nibbles 8 to B) spreads each
-    // byte's top bit over the byte. Eight instructions a sign index, where a multiply a nibble took eleven.
-    static __device__ __forceinline__ u32 byte_signs(u32 word) {
-        u32 masks;
-        asm("prmt.b32 %0, %1, 0, 0xBA98;" : "=r"(masks) : "r"(word));
-        return masks;
-    }
-    static __device__ __forceinline__ uint2 sign_masks(u32 s7) {
-        const u64 spread = (u64)s7 * 0x0002040810204080ull;
-        u32 hi;  // + parity · 2^31 in one multiply-add (written as a shift, it took a multiply and an or)
-        asm("mad.lo.u32 %0, %1, 0x80000000, %2;" : "=r"(hi) : "r"((u32)__popc(s7)), "r"((u32)(spread >> 32)));
-        return make_uint2(byte_signs((u32)spread), byte_signs(hi));
+    static __device__ __forceinline__ int signed_bytes(u32 selectors) {
+        u32 v;
+        asm("prmt.b32 %0, %1, %2, %3;" : "=r"(v) : "r"(PALETTE_POS), "r"(PALETTE_NEG), "r"(selectors));
+        return (int)v;
     }
     static __device__ __forceinline__ float dot(const u8* b, int g, const int (&q)[8], float dx, float, float,
                                                 const u8* table) {
         const u8* p = b + 2 + 8 * g;
-        u32 grid_idx = u32_at2(p), aux = u32_at2(p + 4);
-        const uint2* grid = reinterpret_cast<const uint2*>(table);
-        int pos = 0, neg = 0;
+        const u32 grid_idx = u32_at2(p), aux = u32_at2(p + 4);
+        const u32* codes = reinterpret_cast<const u32*>(table);
+        const u32* signs = codes + CODES;
+        int sum = 0;
 #pragma unroll
         for (int k = 0; k < 4; k++) {
-            uint2 m = grid[(grid_idx >> (8 * k)) & 0xFF];
-            uint2 s = sign_masks((aux >> (7 * k)) & 127);
-            pos = __dp4a((int)(m.x ^ s.x), q[2 * k], pos);
-            pos = __dp4a((int)(m.y ^ s.y), q[2 * k + 1], pos);
-            neg = __dp4a((int)s.x, q[2 * k], neg);
-            neg = __dp4a((int)s.y, q[2 * k + 1], neg);
+            const u32 sel = codes[(grid_idx >> (8 * k)) & 0xFF] | signs[(aux >> (7 * k)) & 127];
+            sum = __dp4a(signed_bytes(sel), q[2 * k], sum);
+            sum = __dp4a(signed_bytes(sel >> 16), q[2 * k + 1], sum);
         }
         // value = d (0.5 + scale) / 4 * magnitude * sign = d (2 scale + 1) / 8 * ...
-        return half_at2(b) * dx * 0.125f * (float)((pos - neg) * (int)(2 * (aux >> 28) + 1));
+        return half_at2(b) * dx * 0.125f * (float)(sum * (int)(2 * (aux >> 28) + 1));
     }
 };
 
