@@ -113,27 +113,36 @@ struct I8<Q8_0> : Q8_0 {
 };
 
 // Group g is elements 128h + 32j + l (h = g / 4, j = g % 4, l < 32): bits 2j of qs[32h + l]; scale bytes 2g
-// (l < 16) and 2g + 1 (l >= 16), low nibble scale, high nibble min.
+// (l < 16) and 2g + 1 (l >= 16), low nibble scale, high nibble min. The codes are masked in place, not shifted
+// down: each byte is then 4^j times its code (at most 192, so dp4a takes the weights unsigned), and the integer sum,
+// 4^j times the true one and below 2^24, becomes the same float after a product with 4^-j.
 template <>
 struct I8<Q2_K> : Q2_K {
     static constexpr int CHUNK = 4, TABLE = 0;
     static __device__ __forceinline__ void fill(u8*) {}
+    static __device__ __forceinline__ int dp4a_unsigned(u32 a, int b, int c) {
+        int d;
+        asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+        return d;
+    }
     static __device__ __forceinline__ float dot(const u8* b, int g, const int (&q)[8], float dx, float s0,
                                                 float s1, const u8*) {
         const u32* qs = reinterpret_cast<const u32*>(b + 16 + 32 * (g >> 2));
-        int shift = 2 * (g & 3);
+        const int j = g & 3;
+        const u32 mask = 0x03030303u << (2 * j);
         int lo = 0, hi = 0;
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            lo = __dp4a((int)((qs[i] >> shift) & 0x03030303u), q[i], lo);
-            hi = __dp4a((int)((qs[4 + i] >> shift) & 0x03030303u), q[4 + i], hi);
+            lo = dp4a_unsigned(qs[i] & mask, q[i], lo);
+            hi = dp4a_unsigned(qs[4 + i] & mask, q[4 + i], hi);
         }
         u32 sc = u16_at(b + 2 * g);
         u32 dd = u32_at(b + 80);
         float d = __half2float(__ushort_as_half((u16)(dd & 0xFFFF)));
         float dmin = __half2float(__ushort_as_half((u16)(dd >> 16)));
         int isum = (int)(sc & 0xF) * lo + (int)((sc >> 8) & 0xF) * hi;
-        return d * dx * (float)isum - dmin * ((float)((sc >> 4) & 0xF) * s0 + (float)(sc >> 12) * s1);
+        const float down = __int_as_float((127 - 2 * j) << 23);  // 4^-j
+        return d * dx * ((float)isum * down) - dmin * ((float)((sc >> 4) & 0xF) * s0 + (float)(sc >> 12) * s1);
     }
 };
 
