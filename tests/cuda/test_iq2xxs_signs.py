@@ -13,16 +13,14 @@ from ds4_core.quants import iq2xxs_tables
 
 
 def _prmt(a: int, b: int, selector: int) -> int:
-    """PTX ``prmt.b32 d, a, b, selector`` (default mode): byte n of d is byte ``sel & 7`` of the pair (b:a), or, when
-    the selector nibble's top bit is set, that byte's top bit spread over all eight bits."""
+    """PTX ``prmt.b32 d, a, b, selector`` (default mode) for selector nibbles below 8, the only ones the palette's
+    selectors hold: byte n of d is byte ``sel`` of the pair (b:a)."""
     pool = (b << 32) | a
     out = 0
     for n in range(4):
         sel = (selector >> (4 * n)) & 0xF
-        byte = (pool >> (8 * (sel & 7))) & 0xFF
-        if sel & 8:
-            byte = 0xFF if byte & 0x80 else 0
-        out |= byte << (8 * n)
+        assert sel < 8, "a selector nibble in prmt's sign mode"
+        out |= ((pool >> (8 * sel)) & 0xFF) << (8 * n)
     return out
 
 
