@@ -118,7 +118,7 @@ def _expression(kernel: str, qtype: str) -> str:
 
 @functools.cache
 def quant_module(qtype: str) -> Any:
-    """The compiled ``quant.cu`` (+ ``quant_int8.cu``) with the kernels of ``qtype`` (IQ2_XXS: grid filled in)."""
+    """The compiled ``quant.cu`` (+ ``quant_int8.cu``) with the kernels of ``qtype`` (IQ2_XXS: tables filled in)."""
     import cupy
 
     names = [_expression(kernel, qtype) for kernel in _kernels(qtype)]
@@ -130,9 +130,23 @@ def quant_module(qtype: str) -> Any:
         grid, _ = iq2xxs_tables()
         table = cupy.ndarray((grid.size,), cupy.uint8, module.get_global("iq2xxs_grid"))
         table[...] = cupy.asarray(grid.astype(np.uint8).reshape(-1))
+        words = iq2xxs_int8_words(grid)
+        cupy.ndarray(words.shape, cupy.uint32, module.get_global("iq2xxs_i8_words"))[...] = cupy.asarray(words)
     for name in names:  # compile now (RawModule compiles lazily), inside the caller's thread
         module.get_function(name)
     return module
+
+
+def iq2xxs_int8_words(grid: np.ndarray) -> np.ndarray:
+    """The tables of the integer IQ2_XXS kernels (``iq2xxs_i8_words`` in quant_int8.cu) from the grid ``[256, 8]``:
+    each row's magnitudes 8, 25, 43 as code nibbles 0, 1, 2 (256 words), then each 7-bit sign index with its parity
+    as the eighth sign, bit e at nibble bit 4e + 2 (128 words)."""
+    nibble = np.uint32(4) * np.arange(8, dtype=np.uint32)
+    codes = np.searchsorted(np.array([8, 25, 43]), np.asarray(grid).reshape(256, 8)).astype(np.uint32)
+    s7 = np.arange(128, dtype=np.uint32)
+    parity = np.array([bin(s).count("1") & 1 for s in range(128)], dtype=np.uint32)
+    bits = ((s7 | parity << 7)[:, None] >> np.arange(8, dtype=np.uint32)) & 1
+    return np.concatenate([(codes << nibble).sum(axis=1), (bits << (nibble + 2)).sum(axis=1)]).astype(np.uint32)
 
 
 @functools.cache

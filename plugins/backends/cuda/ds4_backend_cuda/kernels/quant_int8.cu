@@ -149,31 +149,19 @@ struct I8<Q2_K> : Q2_K {
 // Group g: 4 grid indices (bytes) and aux (four 7-bit sign indices, 4-bit scale) at b + 2 + 8g. A grid row's
 // magnitudes are 8, 25 or 43, so eight signed weights are eight picks from the palette {8, 25, 43, -8, -25, -43}:
 // one prmt per four of them, whose selector nibbles are the magnitude's code (0-2) plus 4 when the weight is
-// negative. Tables: the grid rows as eight code nibbles (256 words), and each 7-bit sign index with its parity as
-// the eighth sign spread to bit 2 of each nibble (128 words); a group of 8 weights is then two lookups, an or, two
-// prmts and two dp4as, where byte masks of the signs and a second dp4a for the negated sum took eighteen.
+// negative. Tables (iq2xxs_i8_words, written by the host at load): the grid rows as eight code nibbles (256 words),
+// and each 7-bit sign index with its parity as the eighth sign spread to bit 2 of each nibble (128 words); a group of
+// 8 weights is then two lookups, an or, two prmts and two dp4as, where byte masks of the signs and a second dp4a for
+// the negated sum took eighteen.
+__device__ __align__(16) u32 iq2xxs_i8_words[256 + 128];
+
 template <>
 struct I8<IQ2_XXS> : IQ2_XXS {
-    static constexpr int CHUNK = 4, CODES = 256, SIGNS = 128, TABLE = 4 * (CODES + SIGNS);
+    static constexpr int CODES = 256, SIGNS = 128, CHUNK = 4, TABLE = 4 * (CODES + SIGNS);
     static constexpr u32 PALETTE_POS = 0x002B1908u, PALETTE_NEG = 0x00D5E7F8u;  // bytes 8, 25, 43 and their negations
     static __device__ __forceinline__ void fill(u8* table) {  // by all threads of the block
-        u32* words = reinterpret_cast<u32*>(table);
-        for (int i = threadIdx.x; i < CODES + SIGNS; i += blockDim.x) {
-            u32 word = 0;
-            if (i < CODES) {
-                const uint2 row = reinterpret_cast<const uint2*>(iq2xxs_grid)[i];
-#pragma unroll
-                for (int e = 0; e < 8; e++) {
-                    const u32 m = ((e < 4 ? row.x : row.y) >> (8 * (e % 4))) & 255;
-                    word |= (m == 8 ? 0u : m == 25 ? 1u : 2u) << (4 * e);
-                }
-            } else {
-                const u32 s7 = i - CODES, s8 = s7 | (__popc(s7) & 1) << 7;
-#pragma unroll
-                for (int e = 0; e < 8; e++) word |= ((s8 >> e) & 1) << (4 * e + 2);
-            }
-            words[i] = word;
-        }
+        const uint4* from = reinterpret_cast<const uint4*>(iq2xxs_i8_words);
+        for (int i = threadIdx.x; i < TABLE / 16; i += blockDim.x) reinterpret_cast<uint4*>(table)[i] = from[i];
         __syncthreads();  // every warp reads the whole table, and with an activation read in place no other barrier
     }                     // comes before the first read
     static __device__ __forceinline__ int signed_bytes(u32 selectors) {
