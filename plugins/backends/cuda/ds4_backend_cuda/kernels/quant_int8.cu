@@ -157,7 +157,7 @@ __device__ __align__(16) u32 iq2xxs_i8_words[256 + 128];
 
 template <>
 struct I8<IQ2_XXS> : IQ2_XXS {
-    static constexpr int CODES = 256, SIGNS = 128, CHUNK = 4, TABLE = 4 * (CODES + SIGNS);
+    static constexpr int CHUNK = 4, CODES = 256, SIGNS = 128, TABLE = 4 * (CODES + SIGNS);
     static constexpr u32 PALETTE_POS = 0x002B1908u, PALETTE_NEG = 0x00D5E7F8u;  // bytes 8, 25, 43 and their negations
     static __device__ __forceinline__ void fill(u8* table) {  // by all threads of the block
         const uint4* from = reinterpret_cast<const uint4*>(iq2xxs_i8_words);
