@@ -137,12 +137,17 @@ def quant_module(qtype: str) -> Any:
     return module
 
 
+def iq2xxs_codes(grid: np.ndarray) -> np.ndarray:
+    """IQ2_XXS's grid ``[256, 8]`` (magnitudes 8, 25, 43) as the codes 0, 1, 2 that the kernels' tables hold."""
+    return np.searchsorted(np.array([8, 25, 43]), np.asarray(grid).reshape(256, 8)).astype(np.uint32)
+
+
 def iq2xxs_int8_words(grid: np.ndarray) -> np.ndarray:
     """The tables of the integer IQ2_XXS kernels (``iq2xxs_i8_words`` in quant_int8.cu) from the grid ``[256, 8]``:
-    each row's magnitudes 8, 25, 43 as code nibbles 0, 1, 2 (256 words), then each 7-bit sign index with its parity
+    each row's codes (:func:`iq2xxs_codes`) as eight nibbles (256 words), then each 7-bit sign index with its parity
     as the eighth sign, bit e at nibble bit 4e + 2 (128 words)."""
     nibble = np.uint32(4) * np.arange(8, dtype=np.uint32)
-    codes = np.searchsorted(np.array([8, 25, 43]), np.asarray(grid).reshape(256, 8)).astype(np.uint32)
+    codes = iq2xxs_codes(grid)
     s7 = np.arange(128, dtype=np.uint32)
     parity = np.array([bin(s).count("1") & 1 for s in range(128)], dtype=np.uint32)
     bits = ((s7 | parity << 7)[:, None] >> np.arange(8, dtype=np.uint32)) & 1

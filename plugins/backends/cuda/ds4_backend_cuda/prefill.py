@@ -34,7 +34,7 @@ from cupy_backends.cuda.libs import cublas
 from ds4_core.backend import Weight
 from ds4_core.errors import BackendError
 
-from .modules import program, sm90a_module
+from .modules import iq2xxs_codes, program, sm90a_module
 
 F32 = cp.float32
 #: Weight format -> the 16-bit type its tiles are dequantized to (others: "f16").
@@ -147,7 +147,7 @@ def _grid_selectors(grid: np.ndarray) -> np.ndarray:
     """IQ2_XXS's grid ``[256, 8]`` (magnitudes 8, 25, 43) as ``[256, 4]`` prmt selectors, one per pair of weights:
     for codes a, b (0, 1, 2) of the pair, the fp16 bytes of magnitude a then b from (lo, hi) = (8s | 25s << 16, 43s)
     (``IQ2Half`` in ``kernels/prefill.cu``)."""
-    code = np.searchsorted(np.array([8, 25, 43]), grid).astype(np.uint32).reshape(256, 4, 2)
+    code = iq2xxs_codes(grid).reshape(256, 4, 2)
     x = code[..., 0] | code[..., 1] << 2  # a | b << 2
     return ((x + (x & 0xC) * 63) * 0x22 + 0x1010).astype(np.uint16)
 
