@@ -125,13 +125,7 @@ def quant_module(qtype: str) -> Any:
     code = program("quant.cu", *(("quant_int8.cu",) if qtype in INT8_TYPES else ()))
     module = cupy.RawModule(code=code, options=_OPTIONS, name_expressions=names)
     if qtype == "IQ2_XXS":
-        from ds4_core.quants import iq2xxs_tables
-
-        grid, _ = iq2xxs_tables()
-        table = cupy.ndarray((grid.size,), cupy.uint8, module.get_global("iq2xxs_grid"))
-        table[...] = cupy.asarray(grid.astype(np.uint8).reshape(-1))
-        words = iq2xxs_int8_words(grid)
-        cupy.ndarray(words.shape, cupy.uint32, module.get_global("iq2xxs_i8_words"))[...] = cupy.asarray(words)
+        write_global(module, "iq2xxs_i8_words", iq2xxs_int8_words(fill_iq2xxs_grid(module)))
     for name in names:  # compile now (RawModule compiles lazily), inside the caller's thread
         module.get_function(name)
     return module
@@ -140,6 +134,22 @@ def quant_module(qtype: str) -> Any:
 def iq2xxs_codes(grid: np.ndarray) -> np.ndarray:
     """IQ2_XXS's grid ``[256, 8]`` (magnitudes 8, 25, 43) as the codes 0, 1, 2 that the kernels' tables hold."""
     return np.searchsorted(np.array([8, 25, 43]), np.asarray(grid).reshape(256, 8)).astype(np.uint32)
+
+
+def write_global(module: Any, name: str, values: np.ndarray) -> None:
+    """Copies ``values`` into the module's ``__device__`` array ``name`` (of their element type and size)."""
+    import cupy
+
+    cupy.ndarray(values.shape, values.dtype, module.get_global(name))[...] = cupy.asarray(values)
+
+
+def fill_iq2xxs_grid(module: Any) -> np.ndarray:
+    """Writes IQ2_XXS's grid ``[256, 8]`` into the module's ``iq2xxs_grid`` (quant.cu) and returns it."""
+    from ds4_core.quants import iq2xxs_tables
+
+    grid, _ = iq2xxs_tables()
+    write_global(module, "iq2xxs_grid", grid.astype(np.uint8).reshape(-1))
+    return grid
 
 
 def iq2xxs_int8_words(grid: np.ndarray) -> np.ndarray:

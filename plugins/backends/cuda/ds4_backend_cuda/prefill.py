@@ -34,7 +34,7 @@ from cupy_backends.cuda.libs import cublas
 from ds4_core.backend import Weight
 from ds4_core.errors import BackendError
 
-from .modules import iq2xxs_codes, program, sm90a_module
+from .modules import fill_iq2xxs_grid, iq2xxs_codes, program, sm90a_module, write_global
 
 F32 = cp.float32
 #: Weight format -> the 16-bit type its tiles are dequantized to (others: "f16").
@@ -92,13 +92,7 @@ def _module(qtype: str) -> Any:
 
 
 def _fill_iq2xxs_tables(module: Any) -> None:
-    from ds4_core.quants import iq2xxs_tables
-
-    grid, _ = iq2xxs_tables()
-    table = cp.ndarray((grid.size,), cp.uint8, module.get_global("iq2xxs_grid"))
-    table[...] = cp.asarray(grid.astype(np.uint8).reshape(-1))
-    selectors = cp.ndarray((256, 4), cp.uint16, module.get_global("iq2xxs_selectors"))
-    selectors[...] = cp.asarray(_grid_selectors(grid))
+    write_global(module, "iq2xxs_selectors", _grid_selectors(fill_iq2xxs_grid(module)))
 
 
 @functools.cache
