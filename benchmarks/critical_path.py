@@ -51,11 +51,18 @@ def knock_out(source: str, kernel: str) -> str | None:
     return (SAME if fmt else "") + source[:body] + leave + source[body:]
 
 
+def copy_backend(root: Path) -> Path:
+    """A copy of the installed ``ds4_backend_cuda`` at ``root / "ds4_backend_cuda"`` (put ``root`` first on
+    ``PYTHONPATH`` to run it); the copy's directory."""
+    package = root / "ds4_backend_cuda"
+    shutil.copytree(Path(ds4_backend_cuda.__file__).parent, package, ignore=shutil.ignore_patterns("__pycache__"))
+    return package
+
+
 def patched_backend(kernels: list[str], root: Path) -> Path:
     """A copy of the installed ``ds4_backend_cuda`` under ``root`` with ``kernels`` knocked out; the directory to put
     first on ``PYTHONPATH``."""
-    package = root / "ds4_backend_cuda"
-    shutil.copytree(Path(ds4_backend_cuda.__file__).parent, package, ignore=shutil.ignore_patterns("__pycache__"))
+    package = copy_backend(root)
     for kernel in kernels:
         for path in sorted((package / "kernels").glob("*.cu")):
             patched = knock_out(path.read_text(), kernel)

@@ -1,0 +1,112 @@
+"""A decode step's GPU time with the installed CUDA backend and with other versions of it, replayed in turn.
+
+Each VERSION is a directory of ``ds4_backend_cuda`` files laid out as in the package (``kernels/quant_int8.cu``,
+``ops.py``, ...): a copy of the installed backend with those files in place goes first on ``PYTHONPATH``, and the
+recorded step of both GGUF files (of one model, different layer counts) is replayed by ``decode_replay.py`` in a
+process of its own. The installed backend runs first, then each version, ALTERNATIONS times over, so that a drift of
+the machine shows in the installed backend's rows: how docs/performance.md measures a change "beside main,
+alternately in one call". A version's first run compiles its kernels; the replay's warm-up keeps that out of its
+times.
+
+``export REF DIR`` writes the backend's files at git revision REF into DIR, run where the repository's history is (the
+device machine gets the working tree without it): ``python benchmarks/side_by_side.py export main .ab/main`` in the
+repository (a directory git ignores, such as ``.ab/`` listed in ``.git/info/exclude``, travels to the device when
+named in its carry), then there, with the working tree installed, ``python benchmarks/side_by_side.py /tmp/f12.gguf
+/tmp/f4.gguf .ab/main``.
+
+Usage: python benchmarks/side_by_side.py FILE FILE VERSION [VERSION ...] [--replays 100] [--rounds 2]
+       [--alternations 2]
+       python benchmarks/side_by_side.py export REF DIR
+(the first needs a GPU with the CUDA backend; export needs git.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+#: The backend package's directory in the repository.
+PACKAGE = "plugins/backends/cuda/ds4_backend_cuda"
+
+
+def export(ref: str, dest: Path) -> list[str]:
+    """The files of :data:`PACKAGE` at git revision ``ref`` written under ``dest`` (paths relative to the package);
+    their paths."""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(["git", "-C", str(root), "archive", "--format=tar", ref, PACKAGE], capture_output=True)
+    if done.returncode:
+        raise SystemExit(f"git archive {ref} {PACKAGE} failed: {done.stderr.decode().strip()}")
+    names = []
+    with tarfile.open(fileobj=io.BytesIO(done.stdout)) as tar:
+        for member in tar.getmembers():
+            if member.isfile() and "__pycache__" not in member.name:
+                name = member.name.removeprefix(PACKAGE + "/")
+                (dest / name).parent.mkdir(parents=True, exist_ok=True)
+                (dest / name).write_bytes(tar.extractfile(member).read())
+                names.append(name)
+    return sorted(names)
+
+
+def overlay(version: Path, package: Path) -> list[str]:
+    """``version``'s files copied over the backend package directory ``package``; the paths of those that differ from
+    the package's (new or changed). A file whose directory the package lacks is refused: under a wrong root it would
+    change nothing."""
+    names = sorted(str(p.relative_to(version)) for p in version.rglob("*") if p.is_file() and "__pycache__" not in
+                   p.parts)
+    if not names:
+        raise SystemExit(f"{version}: no files; give a directory laid out as ds4_backend_cuda (kernels/*.cu, *.py)")
+    for name in names:
+        if not (package / name).parent.is_dir():
+            raise SystemExit(f"{version / name}: ds4_backend_cuda has no directory {Path(name).parent}")
+    changed = [n for n in names
+               if not (package / n).is_file() or (package / n).read_bytes() != (version / n).read_bytes()]
+    for name in changed:
+        shutil.copyfile(version / name, package / name)
+    return changed
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["export"]:
+        parser = argparse.ArgumentParser(description="the CUDA backend's files at a git revision, into a directory")
+        parser.add_argument("command")
+        parser.add_argument("ref")
+        parser.add_argument("dest", type=Path)
+        args = parser.parse_args()
+        print(f"{len(export(args.ref, args.dest))} files of {PACKAGE} at {args.ref} in {args.dest}")
+        return
+    from critical_path import copy_backend, layers, replay_ms
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", type=Path, nargs=2, help="two GGUF files of one model with different layer counts")
+    parser.add_argument("versions", type=Path, nargs="+", help="directories of ds4_backend_cuda files")
+    parser.add_argument("--replays", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--alternations", type=int, default=2)
+    args = parser.parse_args()
+    (big, small), n = sorted(args.files, key=layers, reverse=True), [layers(f) for f in args.files]
+    if len(set(n)) != 2:
+        raise SystemExit(f"the two files have the same layer count ({n[0]}); give two of different counts")
+    span = layers(big) - layers(small)
+    print(f"{'version':40s} {big.name:>10s} {small.name:>10s} {'µs/layer':>9s}")
+    with tempfile.TemporaryDirectory() as tmp:
+        roots: list[tuple[str, Path | None]] = [("installed", None)]
+        for i, version in enumerate(args.versions):
+            root = Path(tmp) / str(i)
+            changed = overlay(version, copy_backend(root))
+            print(f"# {version}: {', '.join(changed) or 'the installed files'}", flush=True)
+            roots.append((str(version), root))
+        for _ in range(args.alternations):
+            for label, root in roots:
+                ms = replay_ms([big, small], root, args.replays, args.rounds)
+                print(f"{label[-40:]:40s} {ms[0]:10.4f} {ms[1]:10.4f} {(ms[0] - ms[1]) / span * 1000:9.2f}",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()

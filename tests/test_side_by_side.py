@@ -1,0 +1,63 @@
+"""``benchmarks/side_by_side.py``'s parts that need no GPU: a git revision's backend files exported, and a version's
+files laid over a copy of the backend package."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def side_by_side():
+    spec = importlib.util.spec_from_file_location("_side_by_side", ROOT / "benchmarks" / "side_by_side.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True).stdout
+
+
+def test_export_writes_the_backend_files_of_a_revision(side_by_side, tmp_path):
+    names = side_by_side.export("HEAD", tmp_path)
+    tracked = _git("ls-tree", "-r", "--name-only", "HEAD", side_by_side.PACKAGE).split()
+    assert names == sorted(p.removeprefix(side_by_side.PACKAGE + "/") for p in tracked)
+    assert "kernels/quant_int8.cu" in names and "ops.py" in names
+    assert (tmp_path / "ops.py").read_text() == _git("show", f"HEAD:{side_by_side.PACKAGE}/ops.py")
+
+
+def test_export_of_an_unknown_revision_says_which(side_by_side, tmp_path):
+    with pytest.raises(SystemExit, match="no-such-revision"):
+        side_by_side.export("no-such-revision", tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+def test_overlay_replaces_what_differs_and_refuses_a_wrong_layout(side_by_side, tmp_path):
+    package = tmp_path / "ds4_backend_cuda"
+    (package / "kernels").mkdir(parents=True)
+    (package / "ops.py").write_text("old ops\n")
+    (package / "kernels" / "quant.cu").write_text("same\n")
+    version = tmp_path / "version"
+    (version / "kernels").mkdir(parents=True)
+    (version / "kernels" / "quant.cu").write_text("same\n")
+    (version / "kernels" / "new.cu").write_text("new kernel\n")
+    (version / "ops.py").write_text("new ops\n")
+    assert side_by_side.overlay(version, package) == ["kernels/new.cu", "ops.py"]
+    assert (package / "ops.py").read_text() == "new ops\n"
+    assert (package / "kernels" / "new.cu").read_text() == "new kernel\n"
+
+    (version / "kernel").mkdir()
+    (version / "kernel" / "typo.cu").write_text("x\n")
+    with pytest.raises(SystemExit, match="no directory kernel"):
+        side_by_side.overlay(version, package)
+    assert not (package / "kernel").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SystemExit, match="no files"):
+        side_by_side.overlay(empty, package)
