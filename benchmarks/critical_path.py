@@ -92,6 +92,16 @@ def layers(path: Path) -> int:
         return gguf.metadata.int(f"{gguf.architecture}.block_count")
 
 
+def by_layers(files: list[Path]) -> tuple[Path, Path, int]:
+    """(the file of more layers, the one of fewer, how many more): a layer's share is the difference of their steps
+    over the last."""
+    big, small = sorted(files, key=layers, reverse=True)
+    span = layers(big) - layers(small)
+    if span == 0:
+        raise SystemExit(f"{big.name} and {small.name} have the same layer count; give two of different counts")
+    return big, small, span
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", type=Path, nargs=2, help="two GGUF files of one model with different layer counts")
@@ -99,10 +109,7 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    (big, small), n = sorted(args.files, key=layers, reverse=True), [layers(f) for f in args.files]
-    if len(set(n)) != 2:
-        raise SystemExit(f"the two files have the same layer count ({n[0]}); give two of different counts")
-    span = layers(big) - layers(small)
+    big, small, span = by_layers(args.files)
 
     def row(label: str, ms: list[float], base: float | None) -> float:
         per_layer = (ms[0] - ms[1]) / span * 1000

@@ -80,7 +80,7 @@ def main() -> None:
         args = parser.parse_args()
         print(f"{len(export(args.ref, args.dest))} files of {PACKAGE} at {args.ref} in {args.dest}")
         return
-    from critical_path import copy_backend, layers, replay_ms
+    from critical_path import by_layers, copy_backend, replay_ms
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", type=Path, nargs=2, help="two GGUF files of one model with different layer counts")
@@ -89,10 +89,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--alternations", type=int, default=2)
     args = parser.parse_args()
-    (big, small), n = sorted(args.files, key=layers, reverse=True), [layers(f) for f in args.files]
-    if len(set(n)) != 2:
-        raise SystemExit(f"the two files have the same layer count ({n[0]}); give two of different counts")
-    span = layers(big) - layers(small)
+    big, small, span = by_layers(args.files)
     print(f"{'version':40s} {big.name:>10s} {small.name:>10s} {'µs/layer':>9s}")
     with tempfile.TemporaryDirectory() as tmp:
         roots: list[tuple[str, Path | None]] = [("installed", None)]
