@@ -82,7 +82,8 @@ def main() -> None:
         return
     from critical_path import by_layers, copy_backend, replay_ms
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     epilog="A VERSION directory from git: side_by_side.py export REF DIR.")
     parser.add_argument("files", type=Path, nargs=2, help="two GGUF files of one model with different layer counts")
     parser.add_argument("versions", type=Path, nargs="+", help="directories of ds4_backend_cuda files")
     parser.add_argument("--replays", type=int, default=100)
