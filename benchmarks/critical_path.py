@@ -74,13 +74,18 @@ def patched_backend(kernels: list[str], root: Path) -> Path:
     return root
 
 
-def replay_ms(files: list[Path], path: Path | None, replays: int, rounds: int) -> list[float]:
-    """Median ms a step of each of ``files``, replayed with the backend found first at ``path`` (None: installed)."""
+def run_with(path: Path | None, command: list[str]) -> subprocess.CompletedProcess:
+    """``command`` run with the backend found first at ``path`` on ``PYTHONPATH`` (None: the installed one)."""
     env = dict(os.environ)
     if path is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(path), env.get("PYTHONPATH"))))
-    done = subprocess.run([sys.executable, str(REPLAY), *map(str, files), "--replays", str(replays), "--rounds",
-                           str(rounds)], env=env, capture_output=True, text=True)
+    return subprocess.run(command, env=env, capture_output=True, text=True)
+
+
+def replay_ms(files: list[Path], path: Path | None, replays: int, rounds: int) -> list[float]:
+    """Median ms a step of each of ``files``, replayed with the backend found first at ``path`` (None: installed)."""
+    done = run_with(path, [sys.executable, str(REPLAY), *map(str, files), "--replays", str(replays), "--rounds",
+                           str(rounds)])
     medians = re.findall(r"median ([0-9.]+)\)", done.stdout)
     if done.returncode or len(medians) != len(files):
         raise SystemExit(f"the replay failed ({done.returncode}):\n{done.stdout}{done.stderr[-3000:]}")

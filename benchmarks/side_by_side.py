@@ -8,6 +8,10 @@ the machine shows in the installed backend's rows: how docs/performance.md measu
 alternately in one call". A version's first run compiles its kernels; the replay's warm-up keeps that out of its
 times.
 
+``--tests FILE ...`` first runs those test files (``pytest``, GPU and host tests alike) with each version; a version
+whose tests fail is left out of the timings, with the tests' last lines printed. ``--alone`` also times each
+version's weight kernels alone (``decode_gemvs.py``), a column a version, before the replays.
+
 ``export REF DIR`` writes the backend's files at git revision REF into DIR, run where the repository's history is (the
 device machine gets the working tree without it): ``python benchmarks/side_by_side.py export main .ab/main`` in the
 repository (a directory git ignores, such as ``.ab/`` listed in ``.git/info/exclude``, travels to the device when
@@ -15,7 +19,7 @@ named in its carry), then there, with the working tree installed, ``python bench
 /tmp/f4.gguf .ab/main``.
 
 Usage: python benchmarks/side_by_side.py FILE FILE VERSION [VERSION ...] [--replays 100] [--rounds 2]
-       [--alternations 2]
+       [--alternations 2] [--tests FILE ...] [--alone]
        python benchmarks/side_by_side.py export REF DIR
 (the first needs a GPU with the CUDA backend; export needs git.)
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import re
 import shutil
 import subprocess
 import sys
@@ -33,6 +38,7 @@ from pathlib import Path
 
 #: The backend package's directory in the repository.
 PACKAGE = "plugins/backends/cuda/ds4_backend_cuda"
+ALONE = Path(__file__).with_name("decode_gemvs.py")
 
 
 def export(ref: str, dest: Path) -> list[str]:
@@ -71,6 +77,22 @@ def overlay(version: Path, package: Path) -> list[str]:
     return changed
 
 
+def kernel_times(output: str) -> dict[str, float]:
+    """``decode_gemvs.py``'s report lines (``NAME  12.34 us ...``) as {name: µs}."""
+    return {m[1].strip(): float(m[2]) for m in re.finditer(r"^(\S.*?)\s+([0-9.]+) us\b", output, re.MULTILINE)}
+
+
+def alone_table(labels: list[str], times: list[dict[str, float]]) -> str:
+    """One row a kernel (in the first version's order), one column of µs a version; '-' where a version lacks it."""
+    names = list(dict.fromkeys(name for t in times for name in t))
+    width = max(map(len, names), default=6)
+    lines = [f"{'kernel alone, µs':{width}s} " + " ".join(f"{label[-12:]:>12s}" for label in labels)]
+    for name in names:
+        lines.append(f"{name:{width}s} " + " ".join(f"{t[name]:12.2f}" if name in t else f"{'-':>12s}"
+                                                     for t in times))
+    return "\n".join(lines)
+
+
 def main() -> None:
     if sys.argv[1:2] == ["export"]:
         parser = argparse.ArgumentParser(description="the CUDA backend's files at a git revision, into a directory")
@@ -80,7 +102,7 @@ def main() -> None:
         args = parser.parse_args()
         print(f"{len(export(args.ref, args.dest))} files of {PACKAGE} at {args.ref} in {args.dest}")
         return
-    from critical_path import by_layers, copy_backend, replay_ms
+    from critical_path import by_layers, copy_backend, replay_ms, run_with
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      epilog="A VERSION directory from git: side_by_side.py export REF DIR.")
@@ -89,16 +111,34 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--alternations", type=int, default=2)
+    parser.add_argument("--tests", nargs="+", default=[], metavar="FILE",
+                        help="test files each version must pass before it is timed")
+    parser.add_argument("--alone", action="store_true", help="also time each version's weight kernels alone")
     args = parser.parse_args()
     big, small, span = by_layers(args.files)
-    print(f"{'version':40s} {big.name:>10s} {small.name:>10s} {'µs/layer':>9s}")
     with tempfile.TemporaryDirectory() as tmp:
         roots: list[tuple[str, Path | None]] = [("installed", None)]
         for i, version in enumerate(args.versions):
             root = Path(tmp) / str(i)
             changed = overlay(version, copy_backend(root))
             print(f"# {version}: {', '.join(changed) or 'the installed files'}", flush=True)
+            if args.tests:
+                done = run_with(root, [sys.executable, "-m", "pytest", "-q", *args.tests])
+                if done.returncode:
+                    print("\n".join((done.stdout + done.stderr).splitlines()[-15:]))
+                    print(f"# {version}: left out, its tests failed")
+                    continue
+                print(f"# {version}: {done.stdout.strip().splitlines()[-1]}", flush=True)
             roots.append((str(version), root))
+        if args.alone:
+            times = []
+            for label, root in roots:
+                done = run_with(root, [sys.executable, str(ALONE)])
+                if done.returncode:
+                    raise SystemExit(f"{ALONE.name} failed with {label}:\n{done.stdout}{done.stderr[-3000:]}")
+                times.append(kernel_times(done.stdout))
+            print(alone_table([label for label, _ in roots], times), flush=True)
+        print(f"{'version':40s} {big.name:>10s} {small.name:>10s} {'µs/layer':>9s}")
         for _ in range(args.alternations):
             for label, root in roots:
                 ms = replay_ms([big, small], root, args.replays, args.rounds)

@@ -61,3 +61,16 @@ def test_overlay_replaces_what_differs_and_refuses_a_wrong_layout(side_by_side, 
     empty.mkdir()
     with pytest.raises(SystemExit, match="no files"):
         side_by_side.overlay(empty, package)
+
+
+def test_kernel_times_reads_the_alone_report_and_the_table_lines_versions_up(side_by_side):
+    main = ("copy bandwidth (read + write, as ds4 bench measures it) 4266 GB/s\n"
+            "routed gate/up, handed         19.53 us    1329 GB/s    31% of copy\n"
+            "attn_output_a + _b, both handed   21.16 us    3370 GB/s    79% of copy\n")
+    times = side_by_side.kernel_times(main)
+    assert times == {"routed gate/up, handed": 19.53, "attn_output_a + _b, both handed": 21.16}
+    variant = side_by_side.kernel_times("routed gate/up, handed  18.80 us  1381 GB/s  33% of copy\n")
+    table = side_by_side.alone_table(["installed", ".ab/a-long-version-name"], [times, variant]).splitlines()
+    assert table[0].split()[-2:] == ["installed", "version-name"]
+    assert table[1].split()[-2:] == ["19.53", "18.80"]
+    assert table[2].split()[-2:] == ["21.16", "-"]
