@@ -107,6 +107,11 @@ def by_layers(files: list[Path]) -> tuple[Path, Path, int]:
     return big, small, span
 
 
+def layer_us(ms: list[float], span: int) -> float:
+    """µs a layer from the steps' ms of the file of more layers and the one of fewer, ``span`` layers apart."""
+    return (ms[0] - ms[1]) / span * 1000
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", type=Path, nargs=2, help="two GGUF files of one model with different layer counts")
@@ -117,7 +122,7 @@ def main() -> None:
     big, small, span = by_layers(args.files)
 
     def row(label: str, ms: list[float], base: float | None) -> float:
-        per_layer = (ms[0] - ms[1]) / span * 1000
+        per_layer = layer_us(ms, span)
         change = "" if base is None else f"{per_layer - base:+8.2f}"
         print(f"{label:44s} {ms[0]:8.4f} {ms[1]:8.4f} {per_layer:9.2f} {change}", flush=True)
         return per_layer

@@ -83,7 +83,8 @@ def kernel_times(output: str) -> dict[str, float]:
 
 
 def alone_table(labels: list[str], times: list[dict[str, float]]) -> str:
-    """One row a kernel (in the first version's order), one column of µs a version; '-' where a version lacks it."""
+    """One row a kernel (in the order the versions first report them), one column of µs a version; '-' where a
+    version lacks it."""
     names = list(dict.fromkeys(name for t in times for name in t))
     width = max(map(len, names), default=6)
     lines = [f"{'kernel alone, µs':{width}s} " + " ".join(f"{label[-12:]:>12s}" for label in labels)]
@@ -102,7 +103,7 @@ def main() -> None:
         args = parser.parse_args()
         print(f"{len(export(args.ref, args.dest))} files of {PACKAGE} at {args.ref} in {args.dest}")
         return
-    from critical_path import by_layers, copy_backend, replay_ms, run_with
+    from critical_path import by_layers, copy_backend, layer_us, replay_ms, run_with
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      epilog="A VERSION directory from git: side_by_side.py export REF DIR.")
@@ -142,7 +143,7 @@ def main() -> None:
         for _ in range(args.alternations):
             for label, root in roots:
                 ms = replay_ms([big, small], root, args.replays, args.rounds)
-                print(f"{label[-40:]:40s} {ms[0]:10.4f} {ms[1]:10.4f} {(ms[0] - ms[1]) / span * 1000:9.2f}",
+                print(f"{label[-40:]:40s} {ms[0]:10.4f} {ms[1]:10.4f} {layer_us(ms, span):9.2f}",
                       flush=True)
 
 

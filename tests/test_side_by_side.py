@@ -1,5 +1,5 @@
-"""``benchmarks/side_by_side.py``'s parts that need no GPU: a git revision's backend files exported, and a version's
-files laid over a copy of the backend package."""
+"""``benchmarks/side_by_side.py``'s parts that need no GPU: a git revision's backend files exported, a version's
+files laid over a copy of the backend package, and the kernels-alone report read and tabulated."""
 
 from __future__ import annotations
 
