@@ -122,11 +122,13 @@ def test_bench_model_file_end_to_end_on_numpy():
 
     model = Path(str(resources.files("ds4_model_deepseek4").joinpath("data", "tiny-deepseek4.gguf")))
     result = CliRunner().invoke(cli, ["bench", "-m", str(model), "--backend", "numpy", "--prompt-tokens", "16",
-                                      "--decode-tokens", "4", "--json"])
+                                      "--decode-tokens", "4", "--repeats", "3", "--json"])
     assert result.exit_code == 0, result.output
     r = json.loads(result.stdout[result.stdout.index("{"):])
     assert r["backend"] == "numpy" and r["prompt_tokens"] == 16 and r["decode_tokens"] == 4
-    assert r["prefill_tokens_per_s"] > 0 and r["eager_decode_tokens_per_s"] > 0
+    runs = r["prefill_seconds"]
+    assert len(runs) == 3 and r["prefill_tokens_per_s"] == pytest.approx(16 / sorted(runs)[1])
+    assert r["eager_decode_tokens_per_s"] > 0
     assert "graph_decode_tokens_per_s" not in r  # numpy records no graphs
     assert r["device_bytes_after_prefill"] is None  # no device memory to count
     assert r["context"] == 22 and r["state_bytes"] > 0 and r["state_bytes_per_1k_tokens"] > 0
@@ -137,6 +139,11 @@ def test_bench_model_file_must_exist(tmp_path):
     assert result.exit_code != 0 and "does not exist" in result.output
 
 
+def test_bench_refuses_no_repeats():
+    result = CliRunner().invoke(cli, ["bench", "--repeats", "0"])
+    assert result.exit_code == 2 and "--repeats" in result.output
+
+
 def test_measurement_report_names_the_arithmetic(capsys):
     """A backend's arithmetic choices head the report (the CUDA backend's int8 decode and 16-bit prefill); the
     reference arithmetic adds no line."""
@@ -145,11 +152,13 @@ def test_measurement_report_names_the_arithmetic(capsys):
     from ds4_core.backends.numpy import NumpyBackend
 
     r = {"model": "m.gguf", "backend": "cuda", "prompt_tokens": 8, "prefill_tokens_per_s": 100.0,
+         "prefill_seconds": [0.09, 0.08, 0.07],
          "device_weight_bytes": None, "decode_tokens": 4, "eager_decode_tokens_per_s": 10.0, "state_bytes": 2**20,
          "context": 14, "state_bytes_per_1k_tokens": 2**20, "device_bytes_after_prefill": None,
          "numerics": {"decode activations": "int8 (DS4_CUDA_INT8=0: float32)", "prefill matmuls": "fp16"}}
     print_measurement(r)
     lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "m.gguf on cuda: prefill 8 tokens at 100.0 t/s (median of 3: 70.00-90.00 ms a prefill)"
     assert lines[1] == "  arithmetic: decode activations int8 (DS4_CUDA_INT8=0: float32); prefill matmuls fp16"
     assert NumpyBackend().numerics() == {}
     print_measurement({**r, "numerics": NumpyBackend().numerics()})

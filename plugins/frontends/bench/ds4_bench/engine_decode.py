@@ -50,8 +50,9 @@ def _device_in_use(backend: str) -> int | None:
 
 
 def measure(path: Path, backend: str = "cuda", prompt_tokens: int = 512, decode_tokens: int = 64,
-            seed: int = 0) -> dict[str, Any]:
-    """Prefill t/s of ``prompt_tokens`` and decode t/s over ``decode_tokens`` steps, graphs on and off."""
+            seed: int = 0, prefill_runs: int = 5) -> dict[str, Any]:
+    """Prefill t/s of ``prompt_tokens`` (the median of ``prefill_runs`` timed prefills, each in a new session) and
+    decode t/s over ``decode_tokens`` steps, graphs on and off."""
     from ds4_core.engine import Engine
 
     before = _used_device_bytes(backend)
@@ -63,14 +64,18 @@ def measure(path: Path, backend: str = "cuda", prompt_tokens: int = 512, decode_
         warm = engine.new_session()  # compile and load the kernels of both paths (a whole prefill chunk) first
         warm.feed(ids[:min(warm.prefill_chunk, prompt_tokens)], logits="last")
         warm.feed(ids[:1])
-        session = engine.new_session()
-        start = time.perf_counter()
-        session.feed(ids[:prompt_tokens], logits="last")
-        prefill = time.perf_counter() - start
+        runs = []
+        for _ in range(prefill_runs):  # one run moves by several percent; the median of a few does not
+            session = engine.new_session()
+            start = time.perf_counter()
+            session.feed(ids[:prompt_tokens], logits="last")
+            runs.append(time.perf_counter() - start)
+        prefill = float(np.median(runs))
         snap = session.snapshot()
         graphs = getattr(engine.model, "decode_graphs", None)
         result = {"model": path.name, "backend": engine.backend.name, "prompt_tokens": prompt_tokens,
                   "decode_tokens": decode_tokens, "prefill_tokens_per_s": prompt_tokens / prefill,
+                  "prefill_seconds": runs,
                   "file_tensor_bytes": sum(t.nbytes for t in engine.gguf.tensors.values()),
                   "device_weight_bytes": weights, "device_bytes_after_prefill": _device_in_use(backend),
                   "context": ctx, "state_bytes": engine.model.state_nbytes(ctx), "numerics": engine.backend.numerics(),
@@ -95,7 +100,9 @@ def print_numerics(numerics: dict[str, str]) -> None:
 
 
 def print_measurement(r: dict[str, Any]) -> None:
-    print(f"{r['model']} on {r['backend']}: prefill {r['prompt_tokens']} tokens at {r['prefill_tokens_per_s']:.1f} t/s")
+    runs = r["prefill_seconds"]
+    print(f"{r['model']} on {r['backend']}: prefill {r['prompt_tokens']} tokens at {r['prefill_tokens_per_s']:.1f} t/s "
+          f"(median of {len(runs)}: {min(runs) * 1e3:.2f}-{max(runs) * 1e3:.2f} ms a prefill)")
     print_numerics(r.get("numerics", {}))
     if r["device_weight_bytes"] is not None:
         ratio = r["device_weight_bytes"] / r["file_tensor_bytes"]

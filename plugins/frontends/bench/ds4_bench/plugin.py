@@ -29,7 +29,9 @@ MODEL_MODULES: dict[str, str] = {"deepseek4-flash": "synthetic_deepseek4", "glm5
                    "mxfp4 = MXFP4 (DeepSeek only).")
 @click.option("--layers", type=click.IntRange(min=1), default=None,
               help="Decoder layers to build for decode (default: all of the model's, fewer if memory is short).")
-@click.option("--repeats", type=int, default=20, show_default=True, help="Timed repetitions of each measurement.")
+@click.option("--repeats", type=click.IntRange(min=1), default=None,
+              help="Timed repetitions of each measurement, of which the median is reported (default: 20; with "
+                   "--model, 5 prefills).")
 @click.option("--context", "contexts", type=click.IntRange(min=1), multiple=True, default=(2048, 32768),
               show_default=True, help="Cached tokens whose state reads a decode step adds (context 0, weights only, "
                                       "is always measured).")
@@ -47,7 +49,7 @@ MODEL_MODULES: dict[str, str] = {"deepseek4-flash": "synthetic_deepseek4", "glm5
               help="Instead: write the synthetic DeepSeek V4 Flash (--recipe, --layers) as a ds4-schema GGUF with "
                    "random weights, to time with -m (no GPU needed to write).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON instead of a table.")
-def bench(synthetic: str, recipe: str, layers: int | None, repeats: int, contexts: tuple[int, ...],
+def bench(synthetic: str, recipe: str, layers: int | None, repeats: int | None, contexts: tuple[int, ...],
           prefill_tokens: tuple[int, ...], model_path: Path | None, backend: str, prompt_tokens: int,
           decode_tokens: int, gguf_path: Path | None, as_json: bool) -> None:
     """Benchmark the CUDA backend on a synthetic DeepSeek V4 Flash, GLM 5.3 Flash or Qwen3.8 Flash Next against
@@ -61,7 +63,7 @@ def bench(synthetic: str, recipe: str, layers: int | None, repeats: int, context
     if model_path is not None:
         from .engine_decode import measure, print_measurement
 
-        result = measure(model_path, backend, prompt_tokens, decode_tokens)
+        result = measure(model_path, backend, prompt_tokens, decode_tokens, prefill_runs=repeats or 5)
         if as_json:
             click.echo(json.dumps(result, indent=1))
         else:
@@ -82,7 +84,7 @@ def bench(synthetic: str, recipe: str, layers: int | None, repeats: int, context
     from .synthetic_run import print_report, run_model
 
     model = importlib.import_module(f".{MODEL_MODULES[synthetic]}", __package__).MODEL
-    results = run_model(model, recipe, layers, repeats, contexts, prefill_tokens)
+    results = run_model(model, recipe, layers, repeats or 20, contexts, prefill_tokens)
     if as_json:
         click.echo(json.dumps(results, indent=1))
     else:
