@@ -63,7 +63,9 @@ def bench(synthetic: str, recipe: str, layers: int | None, repeats: int | None, 
     if model_path is not None:
         from .engine_decode import measure, print_measurement
 
-        result = measure(model_path, backend, prompt_tokens, decode_tokens, prefill_runs=repeats or 5)
+        # without --repeats each measurement keeps its own function's default (the help says which)
+        result = measure(model_path, backend, prompt_tokens, decode_tokens,
+                         **({} if repeats is None else {"prefill_runs": repeats}))
         if as_json:
             click.echo(json.dumps(result, indent=1))
         else:
@@ -84,7 +86,8 @@ def bench(synthetic: str, recipe: str, layers: int | None, repeats: int | None, 
     from .synthetic_run import print_report, run_model
 
     model = importlib.import_module(f".{MODEL_MODULES[synthetic]}", __package__).MODEL
-    results = run_model(model, recipe, layers, repeats or 20, contexts, prefill_tokens)
+    results = run_model(model, recipe, layers, contexts=contexts, prefill_tokens=prefill_tokens,
+                        **({} if repeats is None else {"repeats": repeats}))
     if as_json:
         click.echo(json.dumps(results, indent=1))
     else:
