@@ -76,14 +76,15 @@ def built_once(tmp_path_factory: Any, build: Any, configs: dict[str, dict], *, p
                seed_offset: int = 1) -> Any:
     """``get(name) -> (directory, model)``: ``build(directory, configs[name], seed=...)`` run once per name.
 
-    For a session fixture over a family's tiny Hugging Face configs; seeds follow first use.
+    For a session fixture over a family's tiny Hugging Face configs. A name's seed is its place in ``configs`` plus
+    ``seed_offset``, so a model's weights do not depend on which test (or test worker) asked for it first.
     """
     built: dict[str, tuple[Path, Any]] = {}
 
     def get(name: str) -> tuple[Path, Any]:
         if name not in built:
             directory = tmp_path_factory.mktemp(f"{prefix}-{name}")
-            built[name] = (directory, build(directory, configs[name], seed=len(built) + seed_offset))
+            built[name] = (directory, build(directory, configs[name], seed=list(configs).index(name) + seed_offset))
         return built[name]
 
     return get
