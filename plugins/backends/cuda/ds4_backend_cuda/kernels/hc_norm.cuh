@@ -211,13 +211,15 @@ __device__ __forceinline__ void hc_norm_token(const float* __restrict__ S, int D
     asm volatile("bar.sync 1, %0;" ::"n"(HC_NORM_THREADS) : "memory");
     float total = lane < HC_NORM_THREADS / 32 ? partial[lane] : 0.f;
     for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
-    const float root = sqrtf(total / (float)D + norm_eps);
+    // one division a thread, then products: a division a value (sixteen a thread) lengthened the launch's tail,
+    // which one block runs alone
+    const float inv = 1.f / sqrtf(total / (float)D + norm_eps);
     float4* o = reinterpret_cast<float4*>(out);
 #pragma unroll
     for (int k = 0; k < HC_QUADS; ++k) {
         const int d = threadIdx.x + k * HC_NORM_THREADS;
-        const float4 y = make_float4(c[k].x / root * g[k].x, c[k].y / root * g[k].y, c[k].z / root * g[k].z,
-                                     c[k].w / root * g[k].w);
+        const float4 y = make_float4(c[k].x * inv * g[k].x, c[k].y * inv * g[k].y, c[k].z * inv * g[k].z,
+                                     c[k].w * inv * g[k].w);
         if (d < D4) o[d] = y;
         if (act) write_quad_group(y, d, D, act);
     }
