@@ -490,6 +490,28 @@ def test_norm_rope_is_rope_of_rms_norm(cuda_backend, shape, weighted, rng):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("T", "d", "rows"), [(1, 512, [5]), (2, 512, [3, 0]), (1, 9000, [1])])
+def test_norm_rope_into_writes_the_rows_where_they_go_and_no_others(cuda_backend, T, d, rows, rng):
+    """A decode step's raw row normalised, rotated and written into its ring slot in one launch; 9000 wide takes
+    the launches apart (wider than a block's threads hold) and a copy, with the same result."""
+    from ds4_backend_cuda import ops
+    from ds4_model_deepseek4 import ops as dref
+
+    x = rng.standard_normal((T, d), dtype=np.float32) * 3
+    w_ref, w = _pair(cuda_backend, "F32", (d,), rng)
+    pos = rng.integers(0, 5000, T).astype(np.int32)
+    inv_freq = (10000.0 ** -(np.arange(16) / 16)).astype(np.float32)
+    ring = rng.standard_normal((6, d), dtype=np.float32)
+    want = ring.copy()
+    dref.norm_rope_into(x, w_ref, 1e-6, pos, inv_freq, want, np.array(rows, np.int32))
+    xp = cuda_backend.asarray
+    out = xp(ring)
+    ops.norm_rope_into(xp(x), w, 1e-6, xp(pos), xp(inv_freq), out, xp(np.array(rows, np.int32)))
+    np.testing.assert_allclose(cuda_backend.to_numpy(out), want, rtol=1e-5, atol=1e-5)
+    untouched = [r for r in range(6) if r not in rows]
+    np.testing.assert_array_equal(cuda_backend.to_numpy(out)[untouched], ring[untouched])
+
+
 def test_upload_keeps_raw_blocks(cuda_backend, rng):
     raw = _raw("IQ2_XXS", (4, 32, 256), rng)
     w = cuda_backend.upload("experts", "IQ2_XXS", (4, 32, 256), raw)

@@ -519,23 +519,40 @@ def _warp_rows(x: Any) -> bool:
     return x.shape[0] > GEMV_MAX_TOKENS and d % 128 == 0 and d <= 128 * _WARP_QUADS
 
 
-def _norm_rows(x: Any, w: Weight | None, eps: float, y: Any, rope_args: tuple, y16: Any = None) -> None:
+def _norm_rows(x: Any, w: Weight | None, eps: float, y: Any, rope_args: tuple, y16: Any = None,
+               y_rows: Any = None) -> None:
     """RMSNorm (and with ``rope_args`` RoPE) of the rows of ``x`` into ``y``, or into ``y16`` (float16; only where
-    :func:`_warp_rows`)."""
+    :func:`_warp_rows`); with ``y_rows`` (int32, one a row of ``x``), row ``r`` into row ``y_rows[r]`` of ``y``."""
     d, rows = x.shape[-1], x.size // x.shape[-1]
     scale = values_or_null(w)
-    if _warp_rows(x):
+    if _warp_rows(x) and y_rows is None:
         glue_kernel("rms_norm_warps")((-(-rows // 8),), (256,), (
             x, scale, _i32(d), F32(eps), y if y16 is None else np.uint64(0), np.uint64(0) if y16 is None else y16,
             _i64(rows), *rope_args))
         return
-    glue_kernel("rms_norm_rows")((rows,), (_norm_threads(d),), (x, scale, _i32(d), F32(eps), y, *rope_args))
+    glue_kernel("rms_norm_rows")((rows,), (_norm_threads(d),), (x, scale, _i32(d), F32(eps), y, *rope_args,
+                                                                 np.uint64(0) if y_rows is None else y_rows))
 
 
 def norm_rope(x: Any, w: Weight | None, eps: float, positions: Any, inv_freq: Any) -> Any:
     """:func:`rope` of :func:`rms_norm`, ``x [T, ..., d]``, in one launch where a block's threads hold a row
     (``d`` up to 8 · 1024)."""
     return _norm_rope(x, w, eps, positions, inv_freq, F32)
+
+
+def norm_rope_into(x: Any, w: Weight | None, eps: float, positions: Any, inv_freq: Any, out: Any, rows: Any) -> None:
+    """:func:`norm_rope` of ``x [T, d]`` written to the rows ``rows [T]`` (int32, on the device) of ``out [R, d]``:
+    one launch that writes the rows where they go (a decode step's raw row into its ring slot), where a copy after
+    the launch was a CuPy kernel of its own, outside the chain of programmatic launches."""
+    x = cp.ascontiguousarray(x, dtype=F32)
+    T, d = x.shape[0], x.shape[-1]
+    pos = cp.ascontiguousarray(positions, dtype=cp.int32).reshape(-1)
+    if (x.ndim != 2 or d > 8 * _norm_threads(d) or pos.size != T or out.dtype != F32 or out.ndim != 2
+            or out.shape[1] != d or not out.flags.c_contiguous or rows.size != T):
+        out[rows] = norm_rope(x, w, eps, positions, inv_freq)
+        return
+    rope_args = (pos, cp.ascontiguousarray(inv_freq, dtype=F32), _i32(inv_freq.shape[0]), _i32(1))
+    _norm_rows(x, w, eps, out, rope_args, y_rows=cp.ascontiguousarray(rows, dtype=cp.int32).reshape(-1))
 
 
 def _norm_rope(x: Any, w: Weight | None, eps: float, positions: Any, inv_freq: Any, dtype: Any) -> Any:

@@ -21,7 +21,8 @@ MODEL_KERNELS: dict[str, tuple[str, ...]] = {
     "deepseek4_ops": ("fp8_kv_round", "fp4_hadamard_round", "compress_step", "shared_expert", "index_select",
                       "norm_linear", "output_projection"),
     # DeepSeek V4's, beside the core kernels they extend
-    "ops": ("linears", "norm_rope", "norm_rope_attention", "moe_gate_route", "norm_rope_window_attention"),
+    "ops": ("linears", "norm_rope", "norm_rope_into", "norm_rope_attention", "moe_gate_route",
+            "norm_rope_window_attention"),
     "hc_ops": ("hc_pre_norm", "hc_post_pre_norm", "hc_post_head_norm"),
     "glm5_ops": ("layer_norm", "moe_route_sigmoid"),
     "qwen38_ops": ("rope_half", "hc_mix", "gqa_attention", "moe_route_softmax"),

@@ -126,6 +126,13 @@ def compose_norm_rope(ops: Ops, x: Any, w: Any, eps: float, positions: Any, inv_
     return ops.rope(ops.rms_norm(x, w, eps), positions, inv_freq)
 
 
+def compose_norm_rope_into(ops: Ops, x: Any, w: Any, eps: float, positions: Any, inv_freq: Any, out: Any,
+                           rows: Any) -> None:
+    """``norm_rope`` of ``x [T, d]`` written to the rows ``rows [T]`` of ``out``, from core ops: the definition of the
+    op ``norm_rope_into`` (a decode step's raw row into its ring slot)."""
+    out[rows] = fused(ops, "norm_rope", compose_norm_rope)(x, w, eps, positions, inv_freq)
+
+
 def compose_norm_rope_attention(ops: Ops, q: Any, eps: float, kv: Any, idx: Any, sinks: Any, scale: float,
                                 positions: Any, inv_freq: Any) -> Any:
     """The queries ``q [T, H, d]`` RMSNormed (no weight, eps ``eps``) and RoPE'd at ``positions``, sparse attention
@@ -362,7 +369,11 @@ class Attention:
         q_low, kv = self._latents(ops, x)
 
         def put_raw() -> None:
-            ls.raw[index.slot] = self._kv_rows(ops, kv, pos)
+            if self.kv_finish is None:  # normalised and rotated straight into the ring slot
+                fused(ops, "norm_rope_into", compose_norm_rope_into)(kv, self.attn_kv_a_norm, self.cfg.rms_norm_eps,
+                                                                     pos, self.inv_freq, ls.raw, index.slot)
+            else:
+                ls.raw[index.slot] = self._kv_rows(ops, kv, pos)
 
         def index_queries() -> Any:
             return self.indexer.queries(ops, self._q_latent(ops, q_low), pos, self.inv_freq, self.index_finish)

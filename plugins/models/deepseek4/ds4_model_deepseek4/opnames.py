@@ -3,7 +3,7 @@
 #: Ops a backend may add to run a decode step in fewer launches; the graph composes the same work from
 #: :data:`GRAPH_OPS` where they are missing, and that composition is their reference.
 FUSED_OPS: tuple[str, ...] = ("compress_step", "shared_expert", "index_select", "linears", "norm_linear",
-                               "hc_pre_norm", "hc_post_pre_norm", "hc_post_head_norm", "norm_rope",
+                               "hc_pre_norm", "hc_post_pre_norm", "hc_post_head_norm", "norm_rope", "norm_rope_into",
                                "norm_rope_attention", "moe_gate_route", "norm_rope_window_attention",
                                "output_projection")
 

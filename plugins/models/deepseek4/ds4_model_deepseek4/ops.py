@@ -26,6 +26,7 @@ from .model import (
     compose_norm_linear,
     compose_norm_rope,
     compose_norm_rope_attention,
+    compose_norm_rope_into,
     compose_norm_rope_window_attention,
     compose_output_projection,
     compose_shared_expert,
@@ -55,6 +56,12 @@ def index_select(scores: Any, limit: Any, k: int, offset: int, prefix: Any = Non
     (:func:`.model.compose_index_select` over the core numpy ops), the reference of backends that choose them in one
     launch."""
     return compose_index_select(_NUMPY_OPS, scores, limit, k, offset, prefix)
+
+
+def norm_rope_into(x: Any, w: Any, eps: float, positions: Any, inv_freq: Any, out: Any, rows: Any) -> None:
+    """``norm_rope`` of ``x`` into the rows ``rows`` of ``out`` (:func:`.model.compose_norm_rope_into` over the core
+    numpy ops), the reference of backends that write the rows where they go in the same launch."""
+    compose_norm_rope_into(_NUMPY_OPS, x, w, eps, positions, inv_freq, out, rows)
 
 
 def linears(x: Any, weights: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -141,6 +148,7 @@ DEEPSEEK4_OPS: dict[str, Callable] = {
     "hc_post_pre_norm": hc_post_pre_norm,
     "hc_post_head_norm": hc_post_head_norm,
     "norm_rope": norm_rope,
+    "norm_rope_into": norm_rope_into,
     "norm_rope_attention": norm_rope_attention,
     "moe_gate_route": moe_gate_route,
     "norm_rope_window_attention": norm_rope_window_attention,

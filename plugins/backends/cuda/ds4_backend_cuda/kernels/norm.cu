@@ -12,7 +12,8 @@
 #define HELD 8
 extern "C" __global__ void rms_norm_rows(const float* __restrict__ x, const float* __restrict__ w, int d, float eps,
                                          float* __restrict__ y, const int* __restrict__ pos,
-                                         const float* __restrict__ inv_freq, int half, int rows_per_token) {
+                                         const float* __restrict__ inv_freq, int half, int rows_per_token,
+                                         const int* __restrict__ y_rows) {
     grid_wait();
     __shared__ float partial[32];
     const float* xr = x + (size_t)blockIdx.x * d;
@@ -28,7 +29,7 @@ extern "C" __global__ void rms_norm_rows(const float* __restrict__ x, const floa
     for (int k = 0; k < HELD; ++k) ss = fmaf(v[k], v[k], ss);
     for (int i = threadIdx.x + HELD * blockDim.x; i < d; i += blockDim.x) ss = fmaf(xr[i], xr[i], ss);
     const float root = sqrtf(block_sum(ss, partial) / (float)d + eps);
-    float* yr = y + (size_t)blockIdx.x * d;
+    float* yr = y + (size_t)(y_rows ? y_rows[blockIdx.x] : blockIdx.x) * d;  // y_rows: rows of y given, one a row
     const float p = pos ? (float)pos[blockIdx.x / rows_per_token] : 0.f;
 #pragma unroll
     for (int k = 0; k < HELD; ++k) {
