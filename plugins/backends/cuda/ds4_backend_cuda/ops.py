@@ -542,8 +542,8 @@ def norm_rope(x: Any, w: Weight | None, eps: float, positions: Any, inv_freq: An
 
 def norm_rope_into(x: Any, w: Weight | None, eps: float, positions: Any, inv_freq: Any, out: Any, rows: Any) -> None:
     """:func:`norm_rope` of ``x [T, d]`` written to the rows ``rows [T]`` (int32, on the device) of ``out [R, d]``:
-    one launch that writes the rows where they go (a decode step's raw row into its ring slot), where a copy after
-    the launch was a CuPy kernel of its own, outside the chain of programmatic launches."""
+    one launch that writes the rows where they go (a decode step's raw row into its ring slot), not a CuPy copy after
+    it, which would sit outside the chain of programmatic launches."""
     x = cp.ascontiguousarray(x, dtype=F32)
     T, d = x.shape[0], x.shape[-1]
     pos = cp.ascontiguousarray(positions, dtype=cp.int32).reshape(-1)
