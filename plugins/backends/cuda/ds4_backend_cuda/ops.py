@@ -545,26 +545,31 @@ def norm_rope_into(x: Any, w: Weight | None, eps: float, positions: Any, inv_fre
     one launch that writes the rows where they go (a decode step's raw row into its ring slot), not a CuPy copy after
     it, which would sit outside the chain of programmatic launches."""
     x = cp.ascontiguousarray(x, dtype=F32)
-    T, d = x.shape[0], x.shape[-1]
-    pos = cp.ascontiguousarray(positions, dtype=cp.int32).reshape(-1)
-    if (x.ndim != 2 or d > 8 * _norm_threads(d) or pos.size != T or out.dtype != F32 or out.ndim != 2
-            or out.shape[1] != d or not out.flags.c_contiguous or rows.size != T):
+    rope_args = _row_rope_args(x, positions, inv_freq)
+    if (rope_args is None or x.ndim != 2 or out.dtype != F32 or out.shape[1:] != x.shape[1:]
+            or not out.flags.c_contiguous or rows.size != x.shape[0]):
         out[rows] = norm_rope(x, w, eps, positions, inv_freq)
         return
-    rope_args = (pos, cp.ascontiguousarray(inv_freq, dtype=F32), _i32(inv_freq.shape[0]), _i32(1))
     _norm_rows(x, w, eps, out, rope_args, y_rows=cp.ascontiguousarray(rows, dtype=cp.int32).reshape(-1))
+
+
+def _row_rope_args(x: Any, positions: Any, inv_freq: Any) -> tuple | None:
+    """The RoPE arguments of :func:`_norm_rows` for ``x [T, ..., d]`` (float32, contiguous) at ``positions [T]``, or
+    None where the one-launch kernels do not take it (no rows, or wider than a block's threads hold)."""
+    d = x.shape[-1]
+    pos = cp.ascontiguousarray(positions, dtype=cp.int32).reshape(-1)
+    if not x.size or d > 8 * _norm_threads(d) or pos.size != x.shape[0]:
+        return None
+    return pos, cp.ascontiguousarray(inv_freq, dtype=F32), _i32(inv_freq.shape[0]), _i32(x.size // d // x.shape[0])
 
 
 def _norm_rope(x: Any, w: Weight | None, eps: float, positions: Any, inv_freq: Any, dtype: Any) -> Any:
     """:func:`norm_rope` as ``dtype``: float32, or float16 for 16-bit operands (in the launch for a prefill's
     short rows, else by a cast)."""
     x = cp.ascontiguousarray(x, dtype=F32)
-    d = x.shape[-1]
-    pos = cp.ascontiguousarray(positions, dtype=cp.int32).reshape(-1)
-    if not x.size or d > 8 * _norm_threads(d) or pos.size != x.shape[0]:
+    rope_args = _row_rope_args(x, positions, inv_freq)
+    if rope_args is None:
         return rope(rms_norm(x, w, eps), positions, inv_freq).astype(dtype, copy=False)
-    rope_args = (pos, cp.ascontiguousarray(inv_freq, dtype=F32), _i32(inv_freq.shape[0]),
-                 _i32(x.size // d // x.shape[0]))
     if dtype != F32 and _warp_rows(x):
         y16 = cp.empty(x.shape, dtype=cp.float16)
         _norm_rows(x, w, eps, None, rope_args, y16)
