@@ -358,7 +358,8 @@ def test_moe_route(cuda_backend, rng, T, E, k, ties):
 def test_moe_gate_route(cuda_backend, rng, T, E, D, k, qtype):
     """The router's projection and choice in one launch (the last block to finish chooses) against the projection
     then moe_route and the numpy reference; three launches in a row, so the blocks' counts are back at 0 after each.
-    Then a hash layer's experts (given ids, repeats among them, no bias) weighed in the same launch."""
+    Then a hash layer's experts (given ids, repeats among them, no bias) weighed in the same launch, and read from its
+    table by token id in the launch."""
     from ds4_backend_cuda import ops
     from ds4_model_deepseek4 import ops as dref
 
@@ -383,6 +384,11 @@ def test_moe_gate_route(cuda_backend, rng, T, E, D, k, qtype):
         apart_w = host(ops.moe_route(ops.linear(xp(x), gate), None, k, 1.5, xp(fixed))[1])
         np.testing.assert_allclose(w, apart_w, rtol=1e-5)
         np.testing.assert_allclose(w, dref.moe_gate_route(x, gate_ref, None, k, 1.5, fixed)[1], rtol=1e-4)
+    table = rng.integers(0, E, (9, k)).astype(np.int32)  # a hash layer's table, read by token id in the launch
+    rows = rng.integers(0, 9, T).astype(np.int32)
+    idx, w = map(host, ops.moe_gate_route(xp(x), gate, None, k, 1.5, xp(table), xp(rows)))
+    np.testing.assert_array_equal(idx, table[rows])
+    np.testing.assert_allclose(w, dref.moe_gate_route(x, gate_ref, None, k, 1.5, table, rows)[1], rtol=1e-4)
 
 
 # n = 6: the Sinkhorn matrix spans two registers per lane and is summed lane by lane; n = 2, 4: by butterflies.

@@ -961,23 +961,27 @@ def block_counts(w: Weight) -> Any:
     return count
 
 
-def moe_gate_route(x: Any, gate: Weight, bias: Weight | None, k: int, routed_scale: float,
-                   fixed_idx: Any = None) -> tuple[Any, Any]:
+def moe_gate_route(x: Any, gate: Weight, bias: Weight | None, k: int, routed_scale: float, fixed_idx: Any = None,
+                   fixed_rows: Any = None) -> tuple[Any, Any]:
     """:func:`moe_route` of :func:`linear` ``(x, gate)``: a decode step's few tokens choose (or, given
     ``fixed_idx``, weigh those experts) in the launch that projects them (``route_linear_topk``: the last block to
-    finish makes the choice)."""
+    finish makes the choice). With ``fixed_rows [T]``, the tokens' experts are those rows of the table
+    ``fixed_idx``, which the launch reads itself (a hash layer's, by token id: no gather launch before it)."""
     T, D = x.shape
     E = gate.shape[0]
     fmt = _ROUTER_FORMATS.get(gate.qtype)
     if fmt is None or not (0 < T <= GEMV_TOKENS and 0 < k <= E <= _ROUTER_THREADS and D % 8 == 0):
-        return moe_route(linear(x, gate), bias, k, routed_scale, fixed_idx)
+        fixed = fixed_idx if fixed_rows is None else fixed_idx[fixed_rows]
+        return moe_route(linear(x, gate), bias, k, routed_scale, fixed)
     count = block_counts(gate)
     logits, idx, w = cp.empty((T, E), F32), cp.empty((T, k), dtype=cp.int32), cp.empty((T, k), F32)
     b = values_or_null(bias)
     fixed = np.uint64(0) if fixed_idx is None else cp.ascontiguousarray(fixed_idx, dtype=cp.int32)
     glue_kernel("route_linear_topk")((-(-E // _ROUTER_ROWS), T), (_ROUTER_THREADS,), (
         gate.data, _i32(fmt), cp.ascontiguousarray(x, dtype=F32), _i32(D), _i32(E), logits, count, b, _i32(0), _i32(k),
-        _i32(1), F32(routed_scale), idx, w, fixed), shared_mem=4 * (E + k))
+        _i32(1), F32(routed_scale), idx, w, fixed,
+        np.uint64(0) if fixed_rows is None else cp.ascontiguousarray(fixed_rows, dtype=cp.int32)),
+        shared_mem=4 * (E + k))
     return idx, w
 
 

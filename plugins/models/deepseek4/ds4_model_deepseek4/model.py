@@ -466,15 +466,15 @@ class MoE:
     def __call__(self, ops: Ops, x: Any, ids: Any) -> tuple[Any, Any]:
         """``x [T, D]``, token ids ``[T]`` -> (routed experts' output, shared expert's output), ``[T, D]`` each: the
         MoE's output is their sum, which the caller's ``hc_post_pre_norm`` takes in its expansion."""
-        fixed = None if self.ffn_gate_tid2eid is None else self.ffn_gate_tid2eid[ids]
         shared = fused(ops, "shared_expert", compose_shared_expert)
         return ops.concurrently(
-            lambda: self._routed(ops, x, fixed),
+            lambda: self._routed(ops, x, ids),
             lambda: shared(x, self.ffn_gate_shexp, self.ffn_up_shexp, self.ffn_down_shexp, self.limit))
 
-    def _routed(self, ops: Ops, x: Any, fixed: Any) -> Any:
-        idx, weights = fused(ops, "moe_gate_route", compose_moe_gate_route)(x, self.ffn_gate_inp, self.exp_probs_b,
-                                                                            self.k, self.scale, fixed)
+    def _routed(self, ops: Ops, x: Any, ids: Any) -> Any:
+        table = self.ffn_gate_tid2eid  # a hash layer's experts are its rows of the tokens: read by the router's launch
+        idx, weights = fused(ops, "moe_gate_route", compose_moe_gate_route)(
+            x, self.ffn_gate_inp, self.exp_probs_b, self.k, self.scale, table, None if table is None else ids)
         return ops.moe_experts(x, self.ffn_gate_exps, self.ffn_up_exps, self.ffn_down_exps, idx, weights,
                                self.limit)
 
@@ -486,10 +486,13 @@ def compose_output_projection(ops: Ops, o: Any, out_a: Any, out_b: Any, groups: 
     return ops.linear(low.reshape(low.shape[0], -1), out_b)
 
 
-def compose_moe_gate_route(ops: Ops, x: Any, gate: Any, bias: Any, k: int, scale: float,
-                           fixed: Any = None) -> tuple[Any, Any]:
+def compose_moe_gate_route(ops: Ops, x: Any, gate: Any, bias: Any, k: int, scale: float, fixed: Any = None,
+                           fixed_rows: Any = None) -> tuple[Any, Any]:
     """The router from core ops, the definition of the op ``moe_gate_route``: ``x [T, D]`` projected by ``gate
-    [E, D]``, then ``moe_route`` -> (expert ids ``[T, k]``, weights ``[T, k]``)."""
+    [E, D]``, then ``moe_route`` -> (expert ids ``[T, k]``, weights ``[T, k]``). ``fixed``: the tokens' experts
+    ``[T, k]``, or with ``fixed_rows [T]`` a table whose rows ``fixed_rows`` they are (a hash layer's, by token id)."""
+    if fixed_rows is not None:
+        fixed = fixed[fixed_rows]
     return ops.moe_route(ops.linear(x, gate), bias, k, scale, fixed)
 
 

@@ -105,10 +105,11 @@ def norm_rope_attention(q: Any, eps: float, kv: Any, idx: Any, sinks: Any, scale
     return compose_norm_rope_attention(_NUMPY_OPS, q, eps, kv, idx, sinks, scale, positions, inv_freq)
 
 
-def moe_gate_route(x: Any, gate: Any, bias: Any, k: int, scale: float, fixed: Any = None) -> tuple[Any, Any]:
+def moe_gate_route(x: Any, gate: Any, bias: Any, k: int, scale: float, fixed: Any = None,
+                   fixed_rows: Any = None) -> tuple[Any, Any]:
     """The router's projection and choice (:func:`.model.compose_moe_gate_route` over the core numpy ops), the
     reference of backends that choose in the projection's launch."""
-    return compose_moe_gate_route(_NUMPY_OPS, x, gate, bias, k, scale, fixed)
+    return compose_moe_gate_route(_NUMPY_OPS, x, gate, bias, k, scale, fixed, fixed_rows)
 
 
 def norm_rope_window_attention(q: Any, eps: float, kv: Any, first: int, window: int, comp_start: int, limit: Any,

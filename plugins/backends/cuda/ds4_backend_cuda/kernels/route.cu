@@ -179,7 +179,8 @@ __device__ __forceinline__ void router_fetch(const unsigned char* __restrict__ W
 // (count[t] in global memory counts them, and that block sets it back to 0) makes the choice as route_topk does. A
 // launch and the logits' round trip fewer than a GEMV, then route_topk. With fixed [T, k] (a hash layer's experts,
 // from its table), that block takes those instead and weighs them as route_scores and route_weights would: two
-// launches fewer.
+// launches fewer. With fixed_rows [T] too, fixed is the table and token t's experts its row fixed_rows[t] (the token's
+// id), read here: the gather's launch fewer.
 // A block projects ROUTER_ROWS rows, each split over ROUTER_SPLIT warps, and a lane loads ROUTER_BATCH 16-byte words
 // and the columns of x under them before it uses them: Flash's 8 KB rows take one batch, so the projection waits on
 // memory about once (a warp a row, loading as it went, took 12.3 us on the H200); the first batch is loaded before the
@@ -188,7 +189,8 @@ __device__ __forceinline__ void router_fetch(const unsigned char* __restrict__ W
 extern "C" __global__ void __launch_bounds__(ROUTER_THREADS) route_linear_topk(
         const unsigned char* __restrict__ W, int fmt, const float* __restrict__ x, int D, int E,
         float* __restrict__ logits, int* __restrict__ count, const float* __restrict__ bias, int kind, int k,
-        int normalize, float scale, int* __restrict__ idx, float* __restrict__ w, const int* __restrict__ fixed) {
+        int normalize, float scale, int* __restrict__ idx, float* __restrict__ w, const int* __restrict__ fixed,
+        const int* __restrict__ fixed_rows) {
     extern __shared__ float choice[];
     __shared__ float part[ROUTER_THREADS / 32];
     __shared__ int last;
@@ -230,7 +232,8 @@ extern "C" __global__ void __launch_bounds__(ROUTER_THREADS) route_linear_topk(
     if (threadIdx.x == 0) count[t] = 0;  // every block has counted: ready for the next launch
     __threadfence();
     if (fixed) {
-        route_fixed(logits + (size_t)t * E, fixed + (size_t)t * k, kind, k, normalize, scale, idx + (size_t)t * k,
+        const size_t row = fixed_rows ? (size_t)fixed_rows[t] : (size_t)t;
+        route_fixed(logits + (size_t)t * E, fixed + row * k, kind, k, normalize, scale, idx + (size_t)t * k,
                     w + (size_t)t * k);
         return;
     }
