@@ -250,6 +250,17 @@ def test_fused_compressor_step_matches_its_composition(cuda_backend, tiny_gguf):
         gguf.close()
 
 
+@pytest.mark.parametrize("p", [0, 5, 127, 130, 2047])
+def test_step_index_in_one_launch_matches_its_reference(cuda_backend, p):
+    from ds4_backend_cuda import deepseek4_ops as cu
+    from ds4_model_deepseek4 import ops as dref
+
+    pos = np.array([p], np.int32)
+    for specs in (((4, 0), (128, 20), (8, 3)), ()):
+        got = cuda_backend.to_numpy(cu.step_index(cuda_backend.asarray(pos), 128, specs))
+        np.testing.assert_array_equal(got, dref.step_index(pos, 128, specs))
+
+
 def test_fused_index_select_chooses_the_references_rows(cuda_backend):
     """``index_select`` (one launch) gives exactly the numpy reference's rows and order: ties, -inf,
     R below and above k, limits from 0 to R, rows split over several blocks, and a decode step's row of 16K

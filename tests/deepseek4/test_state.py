@@ -329,6 +329,23 @@ def test_flash_schedule_from_metadata_values():
 # ---------------------------------------------------------------- the one-token step with a device position
 
 
+@pytest.mark.parametrize("p", [0, 5, 127, 130, 2047])
+def test_step_index_lays_out_the_slot_window_limits_and_dense_rows(p):
+    from ds4_model_deepseek4.ops import step_index
+
+    W, specs = 128, ((4, 0), (128, 20))
+    window = [s if s <= p else -1 for s in range(W)]
+    want = [p % W, *window]
+    for m, n in specs:
+        limit = (p + 1) // m
+        want.append(limit)
+        if n:
+            want += window + [W + w if w < limit else -1 for w in range(n)]
+    got = step_index(np.array([p], np.int32), W, specs)
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("ctx", [64, 46])  # 46: the last windows of 4 and 8 tokens do not fit the row slots
 def test_decode_step_with_device_position_equals_token_by_token(model, one_by_one, ctx):
     state, out = model.new_state(ctx), []

@@ -167,6 +167,25 @@ def _select_kernel(T: int, n: int, k: int) -> str:
     return "index_select_radix" if k <= _RADIX_THREADS and (T > 1 or n > _RANK_COUNT_MAX_ROWS) else "index_select"
 
 
+@functools.cache
+def _step_specs(specs: tuple[tuple[int, int], ...]) -> Any:
+    """The ``(m, n)`` pairs of :func:`step_index` on the device, made once (on a step's first, eager run: never
+    inside a recording)."""
+    return cp.asarray(np.array(specs, dtype=np.int32).reshape(-1, 2))
+
+
+def step_index(pos: Any, window: int, specs: tuple[tuple[int, int], ...]) -> Any:
+    """``ds4_model_deepseek4``'s ``compose_step_index`` (a one-token step's index arrays in one int32 buffer) in one
+    launch (``step_index`` in ``kernels/select.cu``) where it was a dozen CuPy launches, outside the chain of
+    programmatic launches. ``pos [1]`` a device int array."""
+    size = 1 + window + sum(1 + (window + n if n else 0) for _, n in specs)
+    out = cp.empty(size, dtype=cp.int32)
+    table = _step_specs(specs) if specs else np.uint64(0)
+    glue_kernel("step_index")((1,), (256,), (cp.ascontiguousarray(pos, dtype=cp.int32), np.int32(window), table,
+                                             np.int32(len(specs)), out))
+    return out
+
+
 def index_select(scores: Any, limit: Any, k: int, offset: int, prefix: Any = None) -> Any:
     """The indexer's top-``k`` complete rows (``w < limit[t]``) of ``scores [T, R]`` plus ``offset``, ranked as
     ``topk`` ranks them, ``-1`` where fewer are complete -> int32 ``[T, min(k, R)]``, each row after ``prefix [P]``

@@ -19,7 +19,7 @@ CORE_KERNELS: dict[str, tuple[str, ...]] = {
 #: Model-specific ops (declared by the model plugins, numpy references there), by implementing module.
 MODEL_KERNELS: dict[str, tuple[str, ...]] = {
     "deepseek4_ops": ("fp8_kv_round", "fp4_hadamard_round", "compress_step", "shared_expert", "index_select",
-                      "norm_linear", "output_projection"),
+                      "norm_linear", "output_projection", "step_index"),
     # DeepSeek V4's, beside the core kernels they extend
     "ops": ("linears", "norm_rope", "norm_rope_into", "norm_rope_attention", "moe_gate_route",
             "norm_rope_window_attention"),

@@ -243,28 +243,26 @@ def compose_index_select(ops: Ops, scores: Any, limit: Any, k: int, offset: int,
 
 
 class StepIndex:
-    """The index arrays of a one-token step that every layer shares, made once per step instead of once per layer
-    (each is a few small launches): the ring slot of the new raw row, the window's rows of a layer's keys
-    (``LayerState.keys``), and per compression ratio the complete-window limit and, for layers without an indexer,
-    the window's and every complete compressed row's rows of the keys."""
+    """The index arrays of a one-token step that every layer shares, made once per step instead of once per layer:
+    the ring slot of the new raw row, the window's rows of a layer's keys (``LayerState.keys``), and per compression
+    ratio the complete-window limit and, for layers without an indexer, the window's and every complete compressed
+    row's rows of the keys. Those of ``needs`` (``(m, n_rows)``, ``n_rows`` None for the limit alone) come from one
+    ``step_index`` op, views of its buffer (a backend makes them in one launch); others as they are asked for."""
 
-    def __init__(self, xp: Any, pos: Any, window: int):
-        self.xp, self.pos, self.W = xp, pos, window
-        slots = xp.arange(window, dtype=xp.int32)
-        self.slot = pos % window
-        # after this write slot s holds position pos - (pos - s) mod W, which is one (>= 0) once s <= pos
-        self.window = xp.where(slots <= pos, slots, -1)[None]
+    def __init__(self, ops: Ops, pos: Any, window: int, needs: list[tuple[int, int | None]] = ()):
+        self.xp, self.pos, self.W = ops.xp, pos, window
+        specs = tuple(dict.fromkeys((m, n or 0) for m, n in needs))
+        buf = fused(ops, "step_index", compose_step_index)(pos, window, specs)
+        self.slot, self.window = buf[0:1], buf[1:1 + window][None]
         self._limits: dict[int, Any] = {}
         self._dense: dict[tuple[int, int], Any] = {}
-
-    def ahead(self, needs: list[tuple[int, int | None]]) -> None:
-        """Makes now what later layers will ask for: per ``(m, n_rows)`` the limit of ratio ``m`` and, unless
-        ``n_rows`` is None, its dense rows (a branch beside the first layer can then take these launches off the
-        step's critical path)."""
-        for m, n_rows in needs:
-            self.limit(m)
-            if n_rows is not None:
-                self.dense(m, n_rows)
+        at = 1 + window
+        for m, n in specs:
+            self._limits.setdefault(m, buf[at:at + 1])
+            at += 1
+            if n:
+                self._dense[m, n] = buf[at:at + window + n][None]
+                at += window + n
 
     def limit(self, m: int) -> Any:
         """``[1]``: compressed rows ``w < limit`` are complete (ratio ``m``)."""
@@ -281,6 +279,26 @@ class StepIndex:
             part = xp.where(w < self.limit(m)[:, None], self.W + w, -1)
             self._dense[m, n_rows] = xp.concatenate([self.window, part], axis=1)
         return self._dense[m, n_rows]
+
+
+def compose_step_index(ops: Ops, pos: Any, window: int, specs: tuple[tuple[int, int], ...]) -> Any:
+    """A one-token step's index arrays from core array code, the definition of the op ``step_index``: int32 ``[1 + W
+    + ...]``, the ring slot ``pos mod W``, the window's rows ``[W]`` (slot ``s`` where ``s <= pos``, else -1: after
+    this step's write slot s holds position ``pos - (pos - s) mod W``), then for each ``(m, n)`` of ``specs`` the
+    limit ``(pos + 1) // m`` and, where ``n > 0``, the window's rows again followed by ``W + w`` for ``w < n`` below
+    the limit (else -1): ``[1 + (W + n if n else 0)]`` each."""
+    xp = ops.xp
+    pos = xp.asarray(pos, dtype=xp.int32).reshape(1)
+    slots = xp.arange(window, dtype=xp.int32)
+    rows = xp.where(slots <= pos, slots, -1).astype(xp.int32)
+    parts = [pos % window, rows]
+    for m, n in specs:
+        limit = (pos + 1) // m
+        parts.append(limit)
+        if n:
+            w = xp.arange(n, dtype=xp.int32)
+            parts += [rows, xp.where(w < limit, window + w, -1).astype(xp.int32)]
+    return xp.concatenate(parts).astype(xp.int32)
 
 
 class Attention:
@@ -314,7 +332,7 @@ class Attention:
 
         ``p0 = None``: one token whose position is only on the device (:meth:`step`, with the step's ``index``)."""
         if p0 is None:
-            return self.step(ops, x, pos, ls, index or StepIndex(ops.xp, pos, self.cfg.sliding_window))
+            return self.step(ops, x, pos, ls, index or StepIndex(ops, pos, self.cfg.sliding_window))
         cfg, xp, T = self.cfg, ops.xp, x.shape[0]
         W = cfg.sliding_window
         q_low, q, kv = self._project(ops, x, pos)
@@ -633,8 +651,8 @@ class DeepSeekV4Model:
         return self._run(ids, pos, state, None)
 
     def _index_needs(self, state: DeepSeekV4State) -> list[tuple[int, int | None]]:
-        """:meth:`StepIndex.ahead`'s needs of a step into ``state``: each compressed layer's ratio, and the number of
-        its compressed rows where it has no indexer (its attention reads the dense rows)."""
+        """:class:`StepIndex`'s needs of a step into ``state``: each compressed layer's ratio, and the number of its
+        compressed rows where it has no indexer (its attention reads the dense rows)."""
         return [(block.attn.m, None if block.attn.indexer is not None else ls.compressor.rows.shape[0])
                 for block, ls in zip(self.blocks, state.layers, strict=True) if block.attn.compressor is not None]
 
@@ -643,14 +661,9 @@ class DeepSeekV4Model:
         ops, xp, cfg = self.ops, self.ops.xp, self.cfg
         x = ops.embed(self.token_embd, ids)
         S = xp.repeat(x[:, None, :], cfg.hc_mult, axis=1)
-        index = StepIndex(xp, pos, cfg.sliding_window) if p0 is None else None
-        layers = list(zip(self.blocks, state.layers, strict=True))
+        index = StepIndex(ops, pos, cfg.sliding_window, self._index_needs(state)) if p0 is None else None
         pending = None
-        if index is not None:  # the compressed layers' index arrays beside the first layer
-            (first, ls0), layers = layers[0], layers[1:]
-            (S, pending), _ = ops.concurrently(lambda: first.layer(ops, S, None, ids, pos, ls0, p0, index),
-                                               lambda: index.ahead(self._index_needs(state)))
-        for block, ls in layers:
+        for block, ls in zip(self.blocks, state.layers, strict=True):
             S, pending = block.layer(ops, S, pending, ids, pos, ls, p0, index)
         head = (self.output_hc_fn, self.output_hc_scale, self.output_hc_base, cfg.hc_eps, cfg.rms_norm_eps)
         if pending is not None and not last_row:  # every row's logits (a decode step): hc_post, head and norm as one op

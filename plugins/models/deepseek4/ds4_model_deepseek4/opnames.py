@@ -5,7 +5,7 @@
 FUSED_OPS: tuple[str, ...] = ("compress_step", "shared_expert", "index_select", "linears", "norm_linear",
                                "hc_pre_norm", "hc_post_pre_norm", "hc_post_head_norm", "norm_rope", "norm_rope_into",
                                "norm_rope_attention", "moe_gate_route", "norm_rope_window_attention",
-                               "output_projection")
+                               "output_projection", "step_index")
 
 #: Ops this plugin declares; their numpy references live in :mod:`ds4_model_deepseek4.ops`.
 MODEL_OPS: tuple[str, ...] = ("fp8_kv_round", "fp4_hadamard_round", *FUSED_OPS)

@@ -30,6 +30,7 @@ from .model import (
     compose_norm_rope_window_attention,
     compose_output_projection,
     compose_shared_expert,
+    compose_step_index,
 )
 from .qat import fp4_hadamard_round, fp8_kv_round
 
@@ -62,6 +63,12 @@ def norm_rope_into(x: Any, w: Any, eps: float, positions: Any, inv_freq: Any, ou
     """``norm_rope`` of ``x`` into the rows ``rows`` of ``out`` (:func:`.model.compose_norm_rope_into` over the core
     numpy ops), the reference of backends that write the rows where they go in the same launch."""
     compose_norm_rope_into(_NUMPY_OPS, x, w, eps, positions, inv_freq, out, rows)
+
+
+def step_index(pos: Any, window: int, specs: tuple[tuple[int, int], ...]) -> Any:
+    """A one-token step's index arrays in one buffer (:func:`.model.compose_step_index` over numpy), the reference of
+    backends that make them in one launch."""
+    return compose_step_index(_NUMPY_OPS, pos, window, specs)
 
 
 def linears(x: Any, weights: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -154,4 +161,5 @@ DEEPSEEK4_OPS: dict[str, Callable] = {
     "moe_gate_route": moe_gate_route,
     "norm_rope_window_attention": norm_rope_window_attention,
     "output_projection": output_projection,
+    "step_index": step_index,
 }

@@ -274,3 +274,27 @@ extern "C" __global__ void __launch_bounds__(RADIX_THREADS) index_select_radix(
     }
     if (tid < take) dst[tid] = (int)~(unsigned int)v + offset;
 }
+
+// DeepSeek V4's index arrays of a one-token step in one launch (ds4_model_deepseek4's compose_step_index): out = the
+// ring slot pos % W, the window's rows (slot s where s <= pos, else -1), then for each of the n_specs (m, n) pairs the
+// limit (pos + 1) / m and, where n > 0, the window's rows again and W + w for w < n below the limit (else -1). One
+// block; pos >= 0.
+extern "C" __global__ void step_index(const int* __restrict__ pos, int W, const int2* __restrict__ specs, int n_specs,
+                                      int* __restrict__ out) {
+    grid_wait();
+    const int p = pos[0];
+    if (threadIdx.x == 0) out[0] = p % W;
+    for (int s = threadIdx.x; s < W; s += blockDim.x) out[1 + s] = s <= p ? s : -1;
+    int at = 1 + W;
+    for (int i = 0; i < n_specs; ++i) {
+        const int2 spec = specs[i];
+        const int limit = (p + 1) / spec.x;
+        if (threadIdx.x == 0) out[at] = limit;
+        at += 1;
+        if (spec.y > 0) {
+            for (int s = threadIdx.x; s < W; s += blockDim.x) out[at + s] = s <= p ? s : -1;
+            for (int w = threadIdx.x; w < spec.y; w += blockDim.x) out[at + W + w] = w < limit ? W + w : -1;
+            at += W + spec.y;
+        }
+    }
+}
