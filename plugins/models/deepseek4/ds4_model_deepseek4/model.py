@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -249,7 +249,7 @@ class StepIndex:
     row's rows of the keys. Those of ``needs`` (``(m, n_rows)``, ``n_rows`` None for the limit alone) come from one
     ``step_index`` op, views of its buffer (a backend makes them in one launch); others as they are asked for."""
 
-    def __init__(self, ops: Ops, pos: Any, window: int, needs: list[tuple[int, int | None]] = ()):
+    def __init__(self, ops: Ops, pos: Any, window: int, needs: Sequence[tuple[int, int | None]] = ()):
         self.xp, self.pos, self.W = ops.xp, pos, window
         specs = tuple(dict.fromkeys((m, n or 0) for m, n in needs))
         buf = fused(ops, "step_index", compose_step_index)(pos, window, specs)
