@@ -162,6 +162,10 @@ class WeightLoader:
     def has(self, name: str) -> bool:
         return name in self.gguf.tensors
 
+    def names(self) -> Iterable[str]:
+        """The names of every tensor there is to load."""
+        return self.gguf.tensors.keys()
+
     def get(self, name: str, shape: tuple[int, ...] | None = None, types: Iterable[str] | None = None) -> Weight:
         """Upload tensor ``name``; ``shape`` (numpy order) and ``types`` (GGML names) are checked if given."""
         info = self.gguf.require_tensor(name, shape=shape, types=tuple(types) if types is not None else None)

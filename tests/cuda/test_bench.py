@@ -117,3 +117,24 @@ def test_run_reports_graph_equal_to_eager_and_fractions_in_range(cuda_backend, m
     assert f"context {CONTEXTS[1]:6d}" in out and "replay == eager: True" in out and "projected prefill" in out
     assert set(r["numerics"]) == {"decode activations", "prefill matmuls"}
     assert "  arithmetic: decode activations float32" in out  # the GPU tests pin the float32 paths
+
+
+def test_bench_times_the_whole_flash_through_its_graph(cuda_backend):
+    import json
+
+    from click.testing import CliRunner
+    from ds4_bench.flash_gguf import flash_config, tensor_plan
+
+    from ds4_core.cli import cli
+
+    result = CliRunner().invoke(cli, ["bench", "--synthetic", "deepseek4-flash", "--layers", "1", "--context", "300",
+                                      "--prefill-tokens", "256", "--repeats", "3", "--json"])
+    assert result.exit_code == 0, result.output
+    e = json.loads(result.stdout[result.stdout.index("{"):])["engine"]
+    assert e["layers"] == 1 and e["weights_plan_bytes"] == sum(t.nbytes for t in tensor_plan(flash_config(1), "q2"))
+    assert e["weights_device_bytes"] == pytest.approx(e["weights_plan_bytes"], rel=0.02)
+    (d,), (p,) = e["decode"], e["prefill"]
+    assert d["context"] == 300 and d["replay_vs_eager"] < 1e-3  # the replayed step computes what the eager one does
+    assert 0 < d["graph_s"] < d["eager_s"] and 0 < d["graph_fraction"] <= 1
+    assert p["tokens"] == 256 and len(p["runs"]) == 3 and 0 < p["fraction_of_matmul_roof"] <= 1
+    assert d["device_used_bytes"] > e["weights_device_bytes"]

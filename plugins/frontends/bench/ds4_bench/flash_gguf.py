@@ -9,7 +9,10 @@ CSA layer routed by scores first appears at 5 layers.
 
 from __future__ import annotations
 
+import functools
 import os
+import re
+import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -43,6 +46,7 @@ SQRT_SOFTPLUS_GATING = 4
 # Random bytes generated per tensor and then repeated to fill it: large enough to defeat caches, small to be fast.
 _PATTERN_BYTES = 8 << 20
 _HASH_PATTERN_ROWS = 4096
+_LAYER = re.compile(r"^blk\.\d+\.")
 
 
 class PlannedTensor(NamedTuple):
@@ -162,28 +166,44 @@ def _float_values(name: str, count: int, rng: np.random.Generator, fan_in: int) 
     return rng.standard_normal(count, dtype=np.float32) / np.float32(np.sqrt(fan_in))
 
 
-def _pattern(t: PlannedTensor, cfg: DeepSeekV4Config, rng: np.random.Generator) -> bytes:
-    """Random valid bytes, a whole number of blocks (rows for the hash table), that :func:`_tensor_chunks` repeats."""
-    if t.qtype == _T.I32:  # hash routing: each token row names ``k`` distinct experts
-        rows = min(t.shape[0], _HASH_PATTERN_ROWS)
-        ids = rng.random((rows, cfg.n_experts)).argsort(axis=1)[:, : t.shape[1]]
+def tensor_pattern(t: PlannedTensor, cfg: DeepSeekV4Config, seed: int = 0) -> bytes:
+    """Random valid bytes, a whole number of blocks (rows for the hash table), that :func:`tensor_bytes` repeats to
+    the tensor's size. Made once per seed and role (the name without its layer, shape and type), so every layer's
+    tensor of one role has the same bytes: a few dozen patterns make a 43-layer model."""
+    return _role_pattern(_LAYER.sub("", t.name), t.shape, t.qtype, cfg.n_experts, seed)
+
+
+@functools.lru_cache(maxsize=64)
+def _role_pattern(role: str, shape: tuple[int, ...], qtype: GGMLQuantizationType, n_experts: int,
+                  seed: int) -> bytes:
+    rng = np.random.default_rng([seed, zlib.crc32(role.encode())])
+    t = PlannedTensor(role, shape, qtype)
+    if qtype == _T.I32:  # hash routing: each token row names ``k`` distinct experts
+        rows = min(shape[0], _HASH_PATTERN_ROWS)
+        ids = rng.random((rows, n_experts)).argsort(axis=1)[:, : shape[1]]
         return ids.astype("<i4").tobytes()
-    block_bytes = block_geometry(t.qtype)[1]
+    block_bytes = block_geometry(qtype)[1]
     blocks = min(t.nbytes, _PATTERN_BYTES) // block_bytes
-    if t.qtype in (_T.F16, _T.F32):
-        values = _float_values(t.name, blocks, rng, t.shape[-1])
-        return values.astype("<f2" if t.qtype == _T.F16 else "<f4").tobytes()
-    return random_blocks(t.qtype, blocks, rng).tobytes()
+    if qtype in (_T.F16, _T.F32):
+        values = _float_values(role, blocks, rng, shape[-1])
+        return values.astype("<f2" if qtype == _T.F16 else "<f4").tobytes()
+    return random_blocks(qtype, blocks, rng).tobytes()
 
 
-def _tensor_chunks(t: PlannedTensor, cfg: DeepSeekV4Config, rng: np.random.Generator) -> Iterator[memoryview]:
+def _tensor_chunks(t: PlannedTensor, cfg: DeepSeekV4Config, seed: int) -> Iterator[memoryview]:
     """The bytes of ``t``: its pattern repeated, the last copy cut short (at a block/row boundary)."""
-    pattern = memoryview(_pattern(t, cfg, rng))
+    pattern = memoryview(tensor_pattern(t, cfg, seed))
     left = t.nbytes
     while left:
         chunk = pattern[: min(left, len(pattern))]
         left -= len(chunk)
         yield chunk
+
+
+def tensor_bytes(t: PlannedTensor, cfg: DeepSeekV4Config, seed: int = 0) -> np.ndarray:
+    """All of ``t``'s bytes (uint8 ``[nbytes]``), as :func:`write_flash_gguf` writes them."""
+    pattern = np.frombuffer(tensor_pattern(t, cfg, seed), dtype=np.uint8)
+    return np.resize(pattern, t.nbytes)
 
 
 def _header_writer(path: Path, cfg: DeepSeekV4Config, plan: list[PlannedTensor]) -> GGUFWriter:
@@ -219,15 +239,16 @@ def write_flash_gguf(path: str | Path, layers: int, recipe: str = "q2", seed: in
 
     Tensors are streamed one after another, a few MB in memory at a time (a 4-layer Q2 file is ~9.5 GB): each
     tensor is a random pattern of at most 8 MiB — valid quant blocks from :func:`ds4_core.quants.random_blocks`,
-    float weights scaled by 1/sqrt(fan-in), hash tables of distinct expert ids — repeated to its full size. So
-    experts repeat their bytes every few MB; bandwidth timing does not care, but the model computes nothing
+    float weights scaled by 1/sqrt(fan-in), hash tables of distinct expert ids — repeated to its full size
+    (:func:`tensor_pattern`: one per role, which every layer shares). So experts repeat their bytes every few MB and
+    layers repeat each other; bandwidth timing does not care (each tensor has its own addresses), but the model
+    computes nothing
     meaningful. ``shapes`` overrides :data:`FLASH` fields (tests write toy-size files). The file appears at
     ``path`` only when complete. Returns ``path``.
     """
     path = Path(path)
     cfg = flash_config(layers, shapes)
     plan = tensor_plan(cfg, recipe)
-    rng = np.random.default_rng(seed)
     partial = path.with_name(path.name + ".partial")
     try:
         writer = _header_writer(partial, cfg, plan)
@@ -236,10 +257,10 @@ def write_flash_gguf(path: str | Path, layers: int, recipe: str = "q2", seed: in
         writer.write_ti_data_to_file()
         alignment = writer.data_alignment
         writer.close()
-        with open(partial, "ab") as f, _ProgressBar(progress, sum(t.nbytes for t in plan), path.name) as bar:
+        with open(partial, "ab") as f, ProgressBar(progress, sum(t.nbytes for t in plan), path.name) as bar:
             _pad(f, alignment)
             for t in plan:
-                for chunk in _tensor_chunks(t, cfg, rng):
+                for chunk in _tensor_chunks(t, cfg, seed):
                     f.write(chunk)
                     bar.advance(len(chunk))
                 _pad(f, alignment)
@@ -250,20 +271,20 @@ def write_flash_gguf(path: str | Path, layers: int, recipe: str = "q2", seed: in
     return path
 
 
-class _ProgressBar:
-    """A transient rich bar of bytes written on stderr, or nothing."""
+class ProgressBar:
+    """A transient rich bar of bytes written (or another ``verb``) on stderr, or nothing."""
 
-    def __init__(self, enabled: bool, total: int, label: str):
-        self.enabled, self.total, self.label = enabled, total, label
+    def __init__(self, enabled: bool, total: int, label: str, verb: str = "writing"):
+        self.enabled, self.total, self.label, self.verb = enabled, total, label, verb
         self.bar: Any = None
 
-    def __enter__(self) -> _ProgressBar:
+    def __enter__(self) -> ProgressBar:
         if self.enabled:
             from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
             from ds4_core.console import stderr_console
 
-            self.bar = Progress(TextColumn("writing {task.description}"), BarColumn(), DownloadColumn(),
+            self.bar = Progress(TextColumn(f"{self.verb} {{task.description}}"), BarColumn(), DownloadColumn(),
                                 TimeRemainingColumn(), console=stderr_console(), transient=True)
             self.bar.start()
             self.task = self.bar.add_task(self.label, total=self.total)

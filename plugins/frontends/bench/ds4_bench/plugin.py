@@ -48,10 +48,13 @@ MODEL_MODULES: dict[str, str] = {"deepseek4-flash": "synthetic_deepseek4", "glm5
 @click.option("--write-gguf", "gguf_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Instead: write the synthetic DeepSeek V4 Flash (--recipe, --layers) as a ds4-schema GGUF with "
                    "random weights, to time with -m (no GPU needed to write).")
+@click.option("--engine/--no-engine", default=True, show_default=True,
+              help="deepseek4-flash: also time the whole model through the DeepSeek V4 plugin's own graph (chunked "
+                   "prefill and the recorded decode step, glue included), its weights built in device memory.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON instead of a table.")
 def bench(synthetic: str, recipe: str, layers: int | None, repeats: int | None, contexts: tuple[int, ...],
           prefill_tokens: tuple[int, ...], model_path: Path | None, backend: str, prompt_tokens: int,
-          decode_tokens: int, gguf_path: Path | None, as_json: bool) -> None:
+          decode_tokens: int, gguf_path: Path | None, engine: bool, as_json: bool) -> None:
     """Benchmark the CUDA backend on a synthetic DeepSeek V4 Flash, GLM 5.3 Flash or Qwen3.8 Flash Next against
     the HBM and tensor-core roofs, or (``-m``) a model file end to end."""
     import importlib
@@ -88,6 +91,12 @@ def bench(synthetic: str, recipe: str, layers: int | None, repeats: int | None, 
     model = importlib.import_module(f".{MODEL_MODULES[synthetic]}", __package__).MODEL
     results = run_model(model, recipe, layers, contexts=contexts, prefill_tokens=prefill_tokens,
                         **({} if repeats is None else {"repeats": repeats}))
+    if engine and synthetic == "deepseek4-flash":
+        from .flash_engine import engine_results
+
+        results["engine"] = engine_results(recipe, results["decode"]["layers"], contexts, prefill_tokens,
+                                           repeats or 20, results["hbm_copy_bytes_per_s"],
+                                           results["matmul_flop_per_s"])
     if as_json:
         click.echo(json.dumps(results, indent=1))
     else:

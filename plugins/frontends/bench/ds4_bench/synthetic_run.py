@@ -240,5 +240,9 @@ def print_report(r: dict[str, Any]) -> None:
         print(f"  T={p['tokens']:5d}: {p['layers']} layers' matmuls {p['seconds'] * 1e3:.1f} ms -> projected prefill "
               f"{p['tokens_per_s']:.0f} t/s, {100 * p['fraction_of_matmul_roof']:.1f}% of the matmul roof, peak "
               f"{p['peak_bytes'] / gb:.2f} GB (attention, norms, glue and output head excluded)")
+    if "engine" in r:
+        from .flash_engine import print_engine
+
+        print_engine(r["engine"])
     print(f"total {r['seconds']:.1f} s")
 

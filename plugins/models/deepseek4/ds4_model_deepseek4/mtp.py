@@ -75,7 +75,7 @@ class MtpBlock:
 
 def load_mtp(w: WeightLoader, ops: Ops, cfg: DeepSeekV4Config, qat: bool) -> MtpBlock | None:
     """The MTP block when the file holds ``mtp.0.*`` tensors, else None; an incomplete block is an error."""
-    if not any(name.startswith(MTP_PREFIX) for name in w.gguf.tensors):
+    if not any(name.startswith(MTP_PREFIX) for name in w.names()):
         return None
     try:
         return MtpBlock(w, ops, cfg, qat)
