@@ -146,13 +146,14 @@ def engine_results(recipe: str, layers: int, contexts: Sequence[int], prefill_to
     import cupy
 
     t0 = time.perf_counter()
-    cupy.get_default_memory_pool().free_all_blocks()  # what the weight-kernel measurement left cached
+    pool = cupy.get_default_memory_pool()
+    pool.free_all_blocks()  # what the weight-kernel measurement left cached
     backend, ops = backend_ops()
-    before = _device_in_use()
+    before = pool.used_bytes()
     total = sum(t.nbytes for t in tensor_plan(flash_config(layers), recipe))
     with ProgressBar(True, total, f"a {layers}-layer synthetic Flash in device memory", "building") as bar:
         model = build_flash(backend, ops, layers, recipe, seed, progress=bar.advance)
-    weights = _device_in_use() - before
+    weights = pool.used_bytes() - before  # the weights' own bytes (the pool's, without its rounding to pages)
     chunk, rng = backend.prefill_chunk, np.random.default_rng(seed)
 
     def tokens(n: int) -> np.ndarray:
@@ -173,7 +174,7 @@ def engine_results(recipe: str, layers: int, contexts: Sequence[int], prefill_to
         prefills.append({"tokens": n, "seconds": seconds, "runs": runs, "tokens_per_s": n / seconds,
                          "fraction_of_matmul_roof": flops / seconds / matmul_rate,
                          "device_used_bytes": _device_in_use()})
-        cupy.get_default_memory_pool().free_all_blocks()
+        pool.free_all_blocks()
     weight_bytes = read_bytes(MODEL.plan(recipe, layers))
     decodes = []
     for context in contexts:
