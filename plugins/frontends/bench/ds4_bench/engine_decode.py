@@ -39,7 +39,7 @@ def _used_device_bytes(backend: str) -> int | None:
     return cupy.get_default_memory_pool().used_bytes()
 
 
-def _device_in_use(backend: str) -> int | None:
+def device_in_use(backend: str) -> int | None:
     """Bytes of device memory in use by every allocator and the context (total − free), or None off the GPU."""
     if backend != "cuda":
         return None
@@ -77,13 +77,13 @@ def measure(path: Path, backend: str = "cuda", prompt_tokens: int = 512, decode_
                   "decode_tokens": decode_tokens, "prefill_tokens_per_s": prompt_tokens / prefill,
                   "prefill_seconds": runs,
                   "file_tensor_bytes": sum(t.nbytes for t in engine.gguf.tensors.values()),
-                  "device_weight_bytes": weights, "device_bytes_after_prefill": _device_in_use(backend),
+                  "device_weight_bytes": weights, "device_bytes_after_prefill": device_in_use(backend),
                   "context": ctx, "state_bytes": engine.model.state_nbytes(ctx), "numerics": engine.backend.numerics(),
                   "state_bytes_per_1k_tokens": engine.model.state_nbytes(ctx + 1024) - engine.model.state_nbytes(ctx)}
         if graphs is not None:
             result["graph_decode_tokens_per_s"] = decode_tokens / _decode(session, int(ids[-1]), decode_tokens)
             result["graph_replayed"] = graphs.replays(session.state)
-            result["device_bytes_after_graph_decode"] = _device_in_use(backend)
+            result["device_bytes_after_graph_decode"] = device_in_use(backend)
             session.restore(snap)
             engine.model.decode_graphs = None
         result["eager_decode_tokens_per_s"] = decode_tokens / _decode(session, int(ids[-1]), decode_tokens)

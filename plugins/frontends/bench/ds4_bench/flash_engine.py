@@ -23,6 +23,7 @@ from ds4_core.backend import Backend, Ops, Weight
 from ds4_core.errors import ModelConfigError
 from ds4_core.quants import dequantize
 
+from .engine_decode import device_in_use
 from .flash_gguf import PlannedTensor, ProgressBar, flash_config, tensor_bytes, tensor_plan
 from .synthetic_deepseek4 import MODEL
 from .synthetic_plan import prefill_plan, read_bytes
@@ -107,13 +108,6 @@ def backend_ops(name: str = "cuda") -> tuple[Backend, Ops]:
     return backend, Ops(backend, {op: resolve(k.impl) for op, k in registry.kernels_for(name).items()})
 
 
-def _device_in_use() -> int:
-    import cupy
-
-    free, total = cupy.cuda.runtime.memGetInfo()
-    return total - free
-
-
 def _timed(fn: Callable[[], Any], backend: Backend) -> float:
     backend.synchronize()
     start = time.perf_counter()
@@ -173,7 +167,7 @@ def engine_results(recipe: str, layers: int, contexts: Sequence[int], prefill_to
         flops = sum(m.flops(n) * m.calls for m in dense) + sum(r.flops(n) * r.calls for r in routed)
         prefills.append({"tokens": n, "seconds": seconds, "runs": runs, "tokens_per_s": n / seconds,
                          "fraction_of_matmul_roof": flops / seconds / matmul_rate,
-                         "device_used_bytes": _device_in_use()})
+                         "device_used_bytes": device_in_use("cuda")})
         pool.free_all_blocks()
     weight_bytes = read_bytes(MODEL.plan(recipe, layers))
     decodes = []
@@ -190,7 +184,7 @@ def engine_results(recipe: str, layers: int, contexts: Sequence[int], prefill_to
         decodes.append({"context": context, "bytes_per_step": nbytes, "graph_s": graph, "eager_s": eager,
                         "graph_fraction": nbytes / graph / bandwidth, "tokens_per_s": 1 / graph,
                         "replay_vs_eager": float(np.abs(replayed - direct).max() / np.abs(direct).max()),
-                        "device_used_bytes": _device_in_use()})
+                        "device_used_bytes": device_in_use("cuda")})
     return {"layers": layers, "full_layers": MODEL.layers, "weights_device_bytes": weights,
             "weights_plan_bytes": total,
             "prefill_chunk": chunk, "prefill": prefills, "decode": decodes, "seconds": time.perf_counter() - t0}
