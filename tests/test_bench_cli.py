@@ -38,6 +38,12 @@ def test_recipe_the_model_lacks_is_a_clear_usage_error():
     assert "qwen38-flash has the recipes q2, q4, not mxfp4" in result.output
 
 
+def test_whole_model_timing_asked_of_another_model_is_a_clear_usage_error():
+    result = CliRunner().invoke(cli, ["bench", "--synthetic", "glm53-flash", "--engine"])
+    assert result.exit_code == 2
+    assert "the whole-model timing is built for deepseek4-flash only, not glm53-flash" in result.output
+
+
 def test_cli_recipes_match_the_models():
     from ds4_bench import plugin, synthetic_deepseek4, synthetic_glm53, synthetic_qwen38
 

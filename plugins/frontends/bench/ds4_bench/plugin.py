@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from ds4_core.hookspecs import hookimpl
 
@@ -82,6 +83,10 @@ def bench(synthetic: str, recipe: str, layers: int | None, repeats: int | None, 
     if recipe not in MODELS[synthetic]:
         raise click.BadParameter(f"{synthetic} has the recipes {', '.join(MODELS[synthetic])}, not {recipe}",
                                  param_hint="'--recipe'")
+    explicit = click.get_current_context().get_parameter_source("engine") is not ParameterSource.DEFAULT
+    if engine and explicit and synthetic != "deepseek4-flash":
+        raise click.BadParameter(f"the whole-model timing is built for deepseek4-flash only, not {synthetic}; "
+                                 "leave --engine out", param_hint="'--engine'")
     cuda = next((c for c in probe_backends(get_plugin_manager().registry) if c.spec.name == "cuda"), None)
     if cuda is None or not cuda.usable:
         raise BackendError("ds4 bench measures the CUDA backend, which cannot run here: "
