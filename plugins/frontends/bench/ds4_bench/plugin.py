@@ -102,6 +102,7 @@ def bench(synthetic: str, recipe: str, layers: int | None, repeats: int | None, 
         results["engine"] = engine_results(recipe, results["decode"]["layers"], contexts, prefill_tokens,
                                            repeats or 20, results["hbm_copy_bytes_per_s"],
                                            results["matmul_flop_per_s"])
+        results["seconds"] += results["engine"]["seconds"]
     if as_json:
         click.echo(json.dumps(results, indent=1))
     else:
