@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from ds4_model_deepseek4.config import DeepSeekV4Config
 
-from ds4_core.backend import Backend, Ops, Weight
+from ds4_core.backend import Backend, Ops, Weight, WeightLoader
 from ds4_core.errors import ModelConfigError
 from ds4_core.quants import dequantize
 
@@ -31,16 +31,16 @@ from .synthetic_plan import prefill_plan, read_bytes
 _INTEGER_DTYPES = {"I32": np.int32, "I16": np.int16, "I8": np.int8, "I64": np.int64}
 
 
-class PlanWeights:
-    """:class:`ds4_core.backend.WeightLoader`'s interface over a synthetic Flash's tensor plan: each tensor a model
-    asks for is made on the host from its pattern and uploaded to ``backend``; names, shapes and types are checked
-    against the plan as a file's would be."""
+class PlanWeights(WeightLoader):
+    """A :class:`ds4_core.backend.WeightLoader` over a synthetic Flash's tensor plan instead of a file: each tensor a
+    model asks for is made on the host from its pattern and uploaded to ``backend``; names, shapes and types are
+    checked against the plan as a file's would be."""
 
     def __init__(self, cfg: DeepSeekV4Config, recipe: str, backend: Backend, seed: int = 0,
                  progress: Callable[[int], None] | None = None):
-        self.cfg, self.backend, self.seed = cfg, backend, seed
+        super().__init__(None, backend, progress)
+        self.cfg, self.seed = cfg, seed
         self.tensors = {t.name: t for t in tensor_plan(cfg, recipe)}
-        self._progress = progress or (lambda n: None)
 
     def has(self, name: str) -> bool:
         return name in self.tensors
@@ -64,10 +64,6 @@ class PlanWeights:
         weight = self.backend.upload(name, t.qtype.name, t.shape, tensor_bytes(t, self.cfg, self.seed))
         self._progress(t.nbytes)
         return weight
-
-    def optional(self, name: str, shape: tuple[int, ...] | None = None,
-                 types: Iterable[str] | None = None) -> Weight | None:
-        return self.get(name, shape, types) if self.has(name) else None
 
     def array(self, name: str, dtype: Any = np.float32, shape: tuple[int, ...] | None = None) -> np.ndarray:
         t = self._planned(name, shape, None)

@@ -246,11 +246,11 @@ class StepIndex:
     """The index arrays of a one-token step that every layer shares, made once per step instead of once per layer:
     the ring slot of the new raw row, the window's rows of a layer's keys (``LayerState.keys``), and per compression
     ratio the complete-window limit and, for layers without an indexer, the window's and every complete compressed
-    row's rows of the keys. Those of ``needs`` (``(m, n_rows)``, ``n_rows`` None for the limit alone) come from one
-    ``step_index`` op, views of its buffer (a backend makes them in one launch); others as they are asked for."""
+    row's rows of the keys: those of ``needs`` (``(m, n_rows)``, ``n_rows`` None for the limit alone), views of the
+    buffer of one ``step_index`` op (a backend makes them in one launch)."""
 
     def __init__(self, ops: Ops, pos: Any, window: int, needs: Sequence[tuple[int, int | None]] = ()):
-        self.xp, self.pos, self.W = ops.xp, pos, window
+        self.W = window
         specs = tuple(dict.fromkeys((m, n or 0) for m, n in needs))
         buf = fused(ops, "step_index", compose_step_index)(pos, window, specs)
         self.slot, self.window = buf[0:1], buf[1:1 + window][None]
@@ -266,18 +266,11 @@ class StepIndex:
 
     def limit(self, m: int) -> Any:
         """``[1]``: compressed rows ``w < limit`` are complete (ratio ``m``)."""
-        if m not in self._limits:
-            self._limits[m] = (self.pos + 1) // m
         return self._limits[m]
 
     def dense(self, m: int, n_rows: int) -> Any:
         """``[1, W + n_rows]``: the rows of the keys a query reads when every complete one of the ``n_rows``
         compressed rows of ratio ``m`` is visible: the window's, then ``W + w`` for complete rows w (else -1)."""
-        if (m, n_rows) not in self._dense:
-            xp = self.xp
-            w = xp.arange(n_rows, dtype=xp.int32)[None, :]  # int32 like the window's part: no casts
-            part = xp.where(w < self.limit(m)[:, None], self.W + w, -1)
-            self._dense[m, n_rows] = xp.concatenate([self.window, part], axis=1)
         return self._dense[m, n_rows]
 
 
@@ -332,7 +325,8 @@ class Attention:
 
         ``p0 = None``: one token whose position is only on the device (:meth:`step`, with the step's ``index``)."""
         if p0 is None:
-            return self.step(ops, x, pos, ls, index or StepIndex(ops, pos, self.cfg.sliding_window))
+            return self.step(ops, x, pos, ls, index or StepIndex(ops, pos, self.cfg.sliding_window,
+                                                                 self.index_needs(ls)))
         cfg, xp, T = self.cfg, ops.xp, x.shape[0]
         W = cfg.sliding_window
         q_low, q, kv = self._project(ops, x, pos)
@@ -362,6 +356,13 @@ class Attention:
             q, cfg.rms_norm_eps, xp.concatenate(keys), first, W, n_prev + T, limit, self.attn_sinks,
             cfg.head_dim ** -0.5, pos, self.inv_freq, self.attn_output_a, cfg.o_groups)
         return self._output_b(ops, low)
+
+    def index_needs(self, ls: LayerState) -> list[tuple[int, int | None]]:
+        """What a step of this layer reads of :class:`StepIndex` besides the slot and window: its ratio's limit and,
+        without an indexer, the dense rows of its compressed rows (its attention reads them all)."""
+        if self.compressor is None:
+            return []
+        return [(self.m, None if self.indexer is not None else ls.compressor.rows.shape[0])]
 
     def step(self, ops: Ops, x: Any, pos: Any, ls: LayerState, index: StepIndex) -> Any:
         """One token ``x [1, D]`` at the device position ``pos [1]`` -> ``[1, D]``; advances ``ls``.
@@ -651,10 +652,9 @@ class DeepSeekV4Model:
         return self._run(ids, pos, state, None)
 
     def _index_needs(self, state: DeepSeekV4State) -> list[tuple[int, int | None]]:
-        """:class:`StepIndex`'s needs of a step into ``state``: each compressed layer's ratio, and the number of its
-        compressed rows where it has no indexer (its attention reads the dense rows)."""
-        return [(block.attn.m, None if block.attn.indexer is not None else ls.compressor.rows.shape[0])
-                for block, ls in zip(self.blocks, state.layers, strict=True) if block.attn.compressor is not None]
+        """:class:`StepIndex`'s needs of a step into ``state``: every layer's (:meth:`Attention.index_needs`)."""
+        return [need for block, ls in zip(self.blocks, state.layers, strict=True)
+                for need in block.attn.index_needs(ls)]
 
     def _run(self, ids: Any, pos: Any, state: DeepSeekV4State, p0: int | None,
              last_row: bool = False) -> tuple[Any, Any]:
