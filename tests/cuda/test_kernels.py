@@ -327,6 +327,90 @@ def test_sparse_attention_in_token_passes(cuda_backend, with_sinks, rng, monkeyp
     np.testing.assert_allclose(got, ref.sparse_attention(q, kv, idx, sinks_ref, d ** -0.5), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize(("T", "H", "D", "R"), [(40, 64, 128, 300), (33, 64, 128, 64), (9, 32, 128, 1000),
+                                                (20, 16, 64, 7), (17, 48, 96, 130)])
+def test_indexer_scores_of_a_prefill_on_tensor_cores(cuda_backend, monkeypatch, T, H, D, R, rng):
+    """A prefill's indexer scores in one tensor-core launch (``index_scores16``): Flash's 64 heads of 128 and GLM 5's
+    32, tokens that leave a block's last warps without one, keys that fill no, one or many tiles; fp16 operands, so
+    within fp16's rounding of the float32 oracle, and the float32 prefill (``DS4_CUDA_PREFILL=32``) within float32's."""
+    from ds4_backend_cuda import ops
+
+    monkeypatch.setenv("DS4_CUDA_PREFILL", "16")  # the suite defaults to the float32 prefill
+
+    q = rng.standard_normal((T, H, D), dtype=np.float32) * 4
+    keys = rng.standard_normal((R, D), dtype=np.float32)
+    hw = rng.standard_normal((T, H), dtype=np.float32)
+    want = ref.indexer_scores(q, keys, hw, D ** -0.5)
+    xp = cuda_backend.asarray
+    got = cuda_backend.to_numpy(ops.indexer_scores(xp(q), xp(keys), xp(hw), D ** -0.5))
+    np.testing.assert_allclose(got, want, rtol=1e-2, atol=2e-2 * np.abs(want).max())
+    assert np.linalg.norm(got - want) <= 3e-3 * np.linalg.norm(want)
+    monkeypatch.setenv("DS4_CUDA_PREFILL", "32")
+    got = cuda_backend.to_numpy(ops.indexer_scores(xp(q), xp(keys), xp(hw), D ** -0.5))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize(("T", "H", "d", "K"), [(12, 64, 512, 640), (10, 64, 512, 100), (9, 16, 256, 70),
+                                                (11, 48, 512, 129)])
+def test_sparse_attention_of_a_prefill_on_tensor_cores(cuda_backend, monkeypatch, with_sinks, T, H, d, K, rng):
+    """A prefill's sparse attention in one tensor-core launch (``attend16``: one block a query, its rows read in place
+    64 at a time): Flash's 64 heads of 512 over a CSA layer's 640 rows, a tile cut short, fewer heads, repeated and
+    masked rows, a query that sees nothing (zeros with a sink, NaN without, as the oracle) and one whose rows are
+    all masked but the last tile's; fp16 operands, so within fp16's rounding of the float32 oracle, and the float32
+    prefill within float32's."""
+    from ds4_backend_cuda import ops
+
+    monkeypatch.setenv("DS4_CUDA_PREFILL", "16")  # the suite defaults to the float32 prefill
+
+    N = 900
+    q = rng.standard_normal((T, H, d), dtype=np.float32) * 3
+    kv = rng.standard_normal((N, d), dtype=np.float32)
+    idx = rng.integers(-1, N, (T, K)).astype(np.int32)
+    idx[1] = -1
+    idx[2, :-3] = -1
+    idx[3, 1::2] = idx[3, 0]
+    sinks_ref, sinks = _pair(cuda_backend, "F32", (H,), rng) if with_sinks else (None, None)
+    want = ref.sparse_attention(q, kv, idx, sinks_ref, d ** -0.5)
+    xp = cuda_backend.asarray
+    got = cuda_backend.to_numpy(ops.sparse_attention(xp(q), xp(kv), xp(idx), sinks, d ** -0.5))
+    assert np.isnan(got[1]).all() != with_sinks
+    np.testing.assert_allclose(got, want, rtol=1e-2, atol=3e-3)
+    seen = ~np.isnan(want)
+    assert np.linalg.norm(got[seen] - want[seen]) <= 3e-3 * np.linalg.norm(want[seen])
+    monkeypatch.setenv("DS4_CUDA_PREFILL", "32")
+    got = cuda_backend.to_numpy(ops.sparse_attention(xp(q), xp(kv), xp(idx), sinks, d ** -0.5))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_norm_rope_attention_of_a_prefill_on_tensor_cores(cuda_backend, monkeypatch, rng):
+    """A prefill's queries normed and rotated straight into fp16 for ``attend16``, its output rotated back: Flash's
+    64 heads of 512 with 64 rotated channels, within fp16's rounding of the numpy reference; the float32 prefill
+    within float32's."""
+    from ds4_backend_cuda import ops
+    from ds4_model_deepseek4 import ops as dref
+
+    monkeypatch.setenv("DS4_CUDA_PREFILL", "16")  # the suite defaults to the float32 prefill
+
+    T, K, H, d, half, N = 12, 200, 64, 512, 32, 700
+    q = rng.standard_normal((T, H, d), dtype=np.float32) * 3
+    kv = rng.standard_normal((N, d), dtype=np.float32)
+    idx = rng.integers(-1, N, (T, K)).astype(np.int32)
+    sinks_ref, sinks = _pair(cuda_backend, "F32", (H,), rng)
+    pos = rng.integers(0, 40000, T).astype(np.int32)
+    inv_freq = (10000.0 ** (-np.arange(half) / half)).astype(np.float32)
+    want = dref.norm_rope_attention(q, 1e-6, kv, idx, sinks_ref, d ** -0.5, pos, inv_freq)
+    xp, host = cuda_backend.asarray, cuda_backend.to_numpy
+
+    def got():
+        return host(ops.norm_rope_attention(xp(q), 1e-6, xp(kv), xp(idx), sinks, d ** -0.5, xp(pos), xp(inv_freq)))
+
+    np.testing.assert_allclose(got(), want, rtol=1e-2, atol=3e-3)
+    assert np.linalg.norm(got() - want) <= 3e-3 * np.linalg.norm(want)
+    monkeypatch.setenv("DS4_CUDA_PREFILL", "32")
+    np.testing.assert_allclose(got(), want, rtol=1e-4, atol=1e-5)
+
+
 # The first three and the many ties take route_choose's two rounds (warps' candidates, then their ranks); (2, 40, 12)
 # has more candidates than experts and (1, 100, 40) k over a warp: both count over all experts.
 @pytest.mark.parametrize(("T", "E", "k"), [(5, 16, 4), (1, 256, 6), (3, 40, 8), (2, 40, 12), (1, 100, 40)])

@@ -21,8 +21,12 @@ from ds4_core.errors import BackendError
 from . import split_hosting
 from .modules import INT8_TYPES, glue_kernel, quant_kernel
 from .prefill import (
+    attend16,
+    attend16_fits,
     gemm_rows,
     half_of,
+    index_scores16,
+    index_scores16_fits,
     per_token_products,
     prefill_grouped_linear,
     prefill_linear,
@@ -686,13 +690,17 @@ ATTEND_TOKENS = 512
 def sparse_attention(q: Any, kv: Any, idx: Any, sinks: Weight | None, scale: float) -> Any:
     """Multi-query attention of each query ``q [T, H, d]`` over its rows ``idx [T, K]`` of ``kv [N, d]``.
 
-    Few tokens: two launches split over the rows (``kernels/attention.cu``); prefill: each query's rows gathered,
-    then two batched cuBLAS products around one softmax launch (TF32 under the 16-bit prefill)."""
+    Few tokens: two launches split over the rows (``kernels/attention.cu``); prefill under the 16-bit prefill: one
+    launch on tensor cores that reads each query's rows in place (``attend16``, heads a multiple of 16 up to 64 and
+    256 or 512 wide), else each query's rows gathered, then two batched cuBLAS products around one softmax launch
+    (TF32 under the 16-bit prefill)."""
     T, H, d = q.shape
     K = idx.shape[1]
     sink = values_or_null(sinks)
     if _attends_rows(q, idx):
         return _attend_rows(q, kv, idx, sink, scale, (np.uint64(0), np.uint64(0), _i32(0), F32(0)))
+    if tensor_core_prefill() and attend16_fits(H, d, K):
+        return attend16(q, kv, idx, sink, scale)
     q = cp.ascontiguousarray(q, dtype=F32)
     idx = cp.ascontiguousarray(idx, dtype=cp.int32)
     kv = cp.ascontiguousarray(kv, dtype=F32)
@@ -863,8 +871,11 @@ def norm_rope_attention(q: Any, eps: float, kv: Any, idx: Any, sinks: Weight | N
     half, d = inv_freq.shape[0], q.shape[2]
     rope_fits = 2 * half <= d and half <= 32 * _ATTEND_HEADS and 4 * _ATTEND_HEADS * d + 8 * half <= _ATTEND_SHARED
     if not (_attends_rows(q, idx) and rope_fits and positions.size == q.shape[0]):
-        q = norm_rope(q, None, eps, positions, inv_freq)
-        return rope(sparse_attention(q, kv, idx, sinks, scale), positions, inv_freq, inverse=True)
+        if not _attends_rows(q, idx) and tensor_core_prefill() and attend16_fits(q.shape[1], d, idx.shape[1]):
+            q16 = _norm_rope(q, None, eps, positions, inv_freq, cp.float16)  # normed rows: |q| <= sqrt(d), no scale
+            return attend16(q16, kv, idx, values_or_null(sinks), scale, (positions, inv_freq))
+        out = sparse_attention(norm_rope(q, None, eps, positions, inv_freq), kv, idx, sinks, scale)
+        return rope(out, positions, inv_freq, inverse=True)
     sink = values_or_null(sinks)
     rope_args = (cp.ascontiguousarray(positions, dtype=cp.int32).reshape(-1),
                  cp.ascontiguousarray(inv_freq, dtype=F32), _i32(half), F32(eps))
@@ -883,7 +894,9 @@ def indexer_scores(q: Any, keys: Any, head_weights: Any, scale: float) -> Any:
     """``s[t, r] = Σ_h head_weights[t, h] · ReLU(q[t, h] · keys[r]) · scale`` -> ``[T, R]``. Few tokens: one launch that
     reads each key once per token, in blocks of 8 keys where those take one block a multiprocessor
     (``indexer_scores_spread``: a decode step up to ~4K tokens of context), else of 32 (``indexer_scores_rows``); many
-    tokens: the products by cuBLAS, then one launch for the rest (``relu_head_sum``)."""
+    tokens under the 16-bit prefill: one launch on tensor cores that keeps every head's products on chip
+    (``index_scores16``, heads a multiple of 16, up to 128 channels); else the products by cuBLAS, then one launch
+    for the rest (``relu_head_sum``)."""
     q = cp.ascontiguousarray(q, dtype=F32)
     keys = cp.ascontiguousarray(keys, dtype=F32)
     head_weights = cp.ascontiguousarray(head_weights, dtype=F32)
@@ -900,6 +913,8 @@ def indexer_scores(q: Any, keys: Any, head_weights: Any, scale: float) -> Any:
         else:
             glue_kernel("indexer_scores_rows")((-(-R // _SCORE_KEYS), T), (_SCORE_HEADS // 4 * _SCORE_KEYS // 4,), args)
         return out
+    if tensor_core_prefill() and index_scores16_fits(H, D):
+        return index_scores16(q, keys, head_weights, scale)
     dots = cp.ascontiguousarray(contract_dot(q, keys), dtype=F32)
     glue_kernel("relu_head_sum")((-(-R // _THREADS), T), (_THREADS,), (
         dots, head_weights, _i32(H), _i32(R), F32(scale), out))

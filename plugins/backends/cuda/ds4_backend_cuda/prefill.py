@@ -84,7 +84,8 @@ def _module(qtype: str) -> Any:
     names += [f"moe_mma16<{qtype}, {o}, {nw}>" for o in _OUT_TYPE.values() for nw in (1, 2)]
     names += [f"tile_smem<{qtype}, {nw}>" for nw in (1, 2)]
     names += [f"{k}<{o}>" for k in ("to16", "rope_to16", "swiglu16", "rows_to16") for o in _OUT_TYPE.values()]
-    module = cp.RawModule(code=program("quant.cu", "prefill.cu", "moe_tile.cu"), options=("--std=c++17",),
+    module = cp.RawModule(code=program("quant.cu", "prefill.cu", "moe_tile.cu", "prefill_attend.cu"),
+                          options=("--std=c++17",),
                           name_expressions=names)
     if qtype == "IQ2_XXS":
         _fill_iq2xxs_tables(module)
@@ -162,7 +163,7 @@ def warm(qtypes: tuple[str, ...]) -> None:
             _kernel(qtype, f"dequant16<{qtype}, {o}>")
             for nw in (1, 2):
                 _tile_kernel(qtype, half, nw)
-    for name in ("gather16", "scatter_pairs", "sum_pairs", "amax_abs", "moe_tiles",
+    for name in ("gather16", "scatter_pairs", "sum_pairs", "amax_abs", "moe_tiles", "index_scores16", "attend16",
                  *(f"{k}<{o}>" for k in ("to16", "rope_to16", "swiglu16", "rows_to16") for o in _OUT_TYPE.values())):
         _shared(name)
 
@@ -274,6 +275,85 @@ def per_token_products(a: Any, b: Any, transpose_b: bool, tf32: bool) -> Any:
                                     m * cols, T, _COMPUTE_32F_TF32 if tf32 else _COMPUTE_32F, _GEMM_DEFAULT)
     finally:
         cublas.setPointerMode(handle, mode)
+    return out
+
+
+#: Warps of ``index_scores16`` and ``attend16``, the attention's most heads, its widest and its rows a tile
+#: (``IDX_WARPS``, ``ATT_WARPS``, ``ATT_MAX_H``, ``ATT_MAX_D``, ``ATT_ROWS`` in ``kernels/prefill_attend.cu``).
+_IDX_WARPS, _ATT_WARPS, _ATT_MAX_H, _ATT_MAX_D = 16, 16, 64, 512
+_ATT_ROWS = 64
+#: attend16's dynamic shared memory: 16-bit rows of the queries, two tiles of rows and a tile's probabilities, then
+#: 8 floats a head and 2 ints a tile row
+_ATT_SHARED = (2 * ((_ATT_MAX_H + 2 * _ATT_ROWS) * (_ATT_MAX_D + 8) + _ATT_MAX_H * (_ATT_ROWS + 8))
+               + 4 * (8 * _ATT_MAX_H + 2 * _ATT_ROWS))
+
+
+def index_scores16_fits(H: int, D: int) -> bool:
+    """Whether :func:`index_scores16` takes ``H`` heads of ``D`` channels."""
+    return H % 16 == 0 and 16 <= H <= 16 * _IDX_WARPS and D % 32 == 0 and 0 < D <= 128
+
+
+def index_scores16(q: Any, keys: Any, head_weights: Any, scale: float) -> Any:
+    """The lightning indexer's scores ``[T, R]`` of queries ``q [T, H, D]`` over ``keys [R, D]`` (float32) on tensor
+    cores, fp16 operands: ``s[t, r] = scale · Σ_h head_weights[t, h] · ReLU(q[t, h] · keys[r])`` in one launch that
+    keeps every head's products on chip (:func:`index_scores16_fits` shapes)."""
+    T, H, D = q.shape
+    R = keys.shape[0]
+    out = cp.empty((T, R), dtype=F32)
+    if out.size:
+        q16, aq = to16(cp.ascontiguousarray(q, dtype=F32), "f16")
+        k16, ak = to16(cp.ascontiguousarray(keys, dtype=F32), "f16")
+        per = _IDX_WARPS // (H // 16)
+        _shared("index_scores16")((-(-T // per),), (32 * _IDX_WARPS,), (
+            q16, k16, cp.ascontiguousarray(head_weights, dtype=F32), _i32(T), _i32(H), _i32(R), _i32(D), F32(scale),
+            aq, ak, out))
+    return out
+
+
+def attend16_fits(H: int, d: int, K: int) -> bool:
+    """Whether :func:`attend16` takes ``H`` heads of ``d`` channels over ``K`` rows a query: on a device whose
+    blocks may have its ~207 KB of shared memory (compute capability 9.0; 8.x has at most 163 KB)."""
+    return (H % 16 == 0 and 0 < H <= _ATT_MAX_H and d % 256 == 0 and 0 < d <= _ATT_MAX_D and K > 0
+            and _shared_optin(cp.cuda.Device().id) >= _ATT_SHARED)
+
+
+@functools.cache
+def _shared_optin(device: int) -> int:
+    return int(cp.cuda.runtime.deviceGetAttribute(cp.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device))
+
+
+def _rope_args(rope_back: tuple[Any, Any] | None) -> tuple[Any, Any, np.int32]:
+    if rope_back is None:
+        return np.uint64(0), np.uint64(0), _i32(0)
+    positions, inv_freq = rope_back
+    return (cp.ascontiguousarray(positions, dtype=cp.int32).reshape(-1), cp.ascontiguousarray(inv_freq, dtype=F32),
+            _i32(inv_freq.shape[0]))
+
+
+@functools.cache
+def _attend16() -> Any:
+    kernel = _shared("attend16")
+    kernel.max_dynamic_shared_size_bytes = _ATT_SHARED
+    return functools.partial(kernel, shared_mem=_ATT_SHARED)
+
+
+def attend16(q: Any, kv: Any, idx: Any, sinks: Any, scale: float, rope_back: tuple[Any, Any] | None = None) -> Any:
+    """Multi-query attention of each query ``q [T, H, d]`` over its rows ``idx [T, K]`` of ``kv [N, d]`` (``-1``
+    masked; ``sinks`` a kernel argument: ``[H]`` float32 logits in the denominator, or a null pointer) on tensor
+    cores, fp16 operands, one block a query: its rows are read from ``kv`` in place, never gathered
+    (:func:`attend16_fits` shapes). ``q`` float32, or float16 taken as it is. ``rope_back`` (positions ``[T]``,
+    inv_freq): the output's inverse RoPE (``ops.rope(..., inverse=True)``, the same bits) in the same launch."""
+    T, H, d = q.shape
+    out = cp.empty((T, H, d), dtype=F32)
+    if T:
+        if q.dtype == cp.float16:
+            q16, aq = cp.ascontiguousarray(q).view(cp.uint16), cp.asarray([1.0, 0.0], dtype=F32)
+        else:
+            q16, aq = to16(cp.ascontiguousarray(q, dtype=F32), "f16")
+        kv16, ak = to16(cp.ascontiguousarray(kv, dtype=F32), "f16")
+        _attend16()((T,), (32 * _ATT_WARPS,), (
+            q16, kv16, cp.ascontiguousarray(idx, dtype=cp.int32), _i32(H), _i32(idx.shape[1]), _i32(d),
+            sinks, F32(scale), aq, ak, *_rope_args(rope_back), out))
     return out
 
 
