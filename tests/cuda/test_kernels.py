@@ -278,6 +278,19 @@ def test_norm_rope_window_attention(cuda_backend, T, n_prev, n_comp, passes, fp1
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+def _rotated_attention(backend, rng: np.random.Generator, T: int, K: int, d: int, half: int) -> tuple:
+    """Inputs of ``norm_rope_attention`` at Flash's 64 heads: queries ``[T, 64, d]``, 700 K=V rows, ``K`` rows a
+    query (some masked), sinks (reference, device), positions up to 40K and ``half`` rotated pairs."""
+    H, N = 64, 700
+    q = rng.standard_normal((T, H, d), dtype=np.float32) * 3
+    kv = rng.standard_normal((N, d), dtype=np.float32)
+    idx = rng.integers(-1, N, (T, K)).astype(np.int32)
+    sinks = _pair(backend, "F32", (H,), rng)
+    pos = rng.integers(0, 40000, T).astype(np.int32)
+    inv_freq = (10000.0 ** (-np.arange(half) / half)).astype(np.float32)
+    return q, kv, idx, sinks, pos, inv_freq
+
+
 # (2, 37, 68, 33): the rotated channels start at 2, inside a float4 of the queries
 @pytest.mark.parametrize(("T", "K", "d", "half"), [(1, 640, 512, 32), (3, 100, 512, 32), (1, 40, 1600, 32),
                                                    (2, 50, 42, 21), (2, 37, 68, 33)])
@@ -288,13 +301,7 @@ def test_norm_rope_attention(cuda_backend, T, K, d, half, rng):
     from ds4_backend_cuda import ops
     from ds4_model_deepseek4 import ops as dref
 
-    H, N = 64, 700
-    q = rng.standard_normal((T, H, d), dtype=np.float32) * 3
-    kv = rng.standard_normal((N, d), dtype=np.float32)
-    idx = rng.integers(-1, N, (T, K)).astype(np.int32)
-    sinks_ref, sinks = _pair(cuda_backend, "F32", (H,), rng)
-    pos = rng.integers(0, 40000, T).astype(np.int32)
-    inv_freq = (10000.0 ** (-np.arange(half) / half)).astype(np.float32)
+    q, kv, idx, (sinks_ref, sinks), pos, inv_freq = _rotated_attention(cuda_backend, rng, T, K, d, half)
     xp, host = cuda_backend.asarray, cuda_backend.to_numpy
     got = host(ops.norm_rope_attention(xp(q), 1e-6, xp(kv), xp(idx), sinks, d ** -0.5, xp(pos), xp(inv_freq)))
     rotated = ops.norm_rope(xp(q), None, 1e-6, xp(pos), xp(inv_freq))
@@ -392,13 +399,8 @@ def test_norm_rope_attention_of_a_prefill_on_tensor_cores(cuda_backend, monkeypa
 
     monkeypatch.setenv("DS4_CUDA_PREFILL", "16")  # the suite defaults to the float32 prefill
 
-    T, K, H, d, half, N = 12, 200, 64, 512, 32, 700
-    q = rng.standard_normal((T, H, d), dtype=np.float32) * 3
-    kv = rng.standard_normal((N, d), dtype=np.float32)
-    idx = rng.integers(-1, N, (T, K)).astype(np.int32)
-    sinks_ref, sinks = _pair(cuda_backend, "F32", (H,), rng)
-    pos = rng.integers(0, 40000, T).astype(np.int32)
-    inv_freq = (10000.0 ** (-np.arange(half) / half)).astype(np.float32)
+    q, kv, idx, (sinks_ref, sinks), pos, inv_freq = _rotated_attention(cuda_backend, rng, 12, 200, 512, 32)
+    d = q.shape[-1]
     want = dref.norm_rope_attention(q, 1e-6, kv, idx, sinks_ref, d ** -0.5, pos, inv_freq)
     xp, host = cuda_backend.asarray, cuda_backend.to_numpy
 
