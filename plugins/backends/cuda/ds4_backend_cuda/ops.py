@@ -691,9 +691,9 @@ def sparse_attention(q: Any, kv: Any, idx: Any, sinks: Weight | None, scale: flo
     """Multi-query attention of each query ``q [T, H, d]`` over its rows ``idx [T, K]`` of ``kv [N, d]``.
 
     Few tokens: two launches split over the rows (``kernels/attention.cu``); prefill under the 16-bit prefill: one
-    launch on tensor cores that reads each query's rows in place (``attend16``, heads a multiple of 16 up to 64 and
-    256 or 512 wide), else each query's rows gathered, then two batched cuBLAS products around one softmax launch
-    (TF32 under the 16-bit prefill)."""
+    launch on tensor cores that reads each query's rows in place (``attend16``: heads a multiple of 16 up to 64, 256
+    or 512 wide, on compute capability 9.0), else each query's rows gathered, then two batched cuBLAS products around
+    one softmax launch (TF32 under the 16-bit prefill)."""
     T, H, d = q.shape
     K = idx.shape[1]
     sink = values_or_null(sinks)
@@ -867,12 +867,14 @@ def norm_rope_attention(q: Any, eps: float, kv: Any, idx: Any, sinks: Weight | N
     """:func:`norm_rope` of the queries (no weight), :func:`sparse_attention`, then :func:`rope` of its output with
     ``inverse``: a decode step's few tokens take the queries' norm and rotation in the attention's first launch and
     the output's rotation in its merge launch, and write the output of one token also as the int8 activation of
-    the projection after it (:class:`Int8Rows`)."""
+    the projection after it (:class:`Int8Rows`); a prefill under the 16-bit prefill, in :func:`.prefill.attend16`'s
+    shapes, has its queries normed and rotated straight into fp16 (normed rows need no scale) and the output's
+    rotation done in that launch."""
     half, d = inv_freq.shape[0], q.shape[2]
     rope_fits = 2 * half <= d and half <= 32 * _ATTEND_HEADS and 4 * _ATTEND_HEADS * d + 8 * half <= _ATTEND_SHARED
     if not (_attends_rows(q, idx) and rope_fits and positions.size == q.shape[0]):
         if not _attends_rows(q, idx) and tensor_core_prefill() and attend16_fits(q.shape[1], d, idx.shape[1]):
-            q16 = _norm_rope(q, None, eps, positions, inv_freq, cp.float16)  # normed rows: |q| <= sqrt(d), no scale
+            q16 = _norm_rope(q, None, eps, positions, inv_freq, cp.float16)
             return attend16(q16, kv, idx, values_or_null(sinks), scale, (positions, inv_freq))
         out = sparse_attention(norm_rope(q, None, eps, positions, inv_freq), kv, idx, sinks, scale)
         return rope(out, positions, inv_freq, inverse=True)
