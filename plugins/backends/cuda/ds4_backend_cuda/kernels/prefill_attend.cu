@@ -114,11 +114,11 @@ constexpr int ATT_QROW = ATT_MAX_D + 8, ATT_PROW = ATT_ROWS + 8;
 // masked; with sinks, sinks[h] a logit in the denominator without a value), for fp16 q [T, H, d] and kv [N, d], H a
 // multiple of 16 up to ATT_MAX_H, d of 256 up to ATT_MAX_D; idx [T, K]. A block per query: its heads' rows in
 // shared memory, then its K rows ATT_ROWS at a time, the next tile's copied by cp.async while this one is
-// multiplied (flash attention's running maximum and sum, base 2): the
-// scores of a tile by pairs of (16 heads, 16 rows) a warp, their probabilities in 16 bits, then each warp adds
-// their product with the tile into its d / 16 columns of the output, kept in registers to the end. With pos not
-// null, the output's trailing 2 · half channels are turned back by pos[t] · inv_freq as rope_rows does (the same
-// arithmetic, so the same bits): a fragment's two neighbouring columns are a pair.
+// multiplied, with flash attention's running maximum and sum (base 2): the scores of a tile by pairs of (16 heads,
+// 16 rows) a warp, their probabilities in 16 bits, then each warp adds their product with the tile into its d / 16
+// columns of the output, kept in registers to the end. With pos not null, the output's trailing 2 · half channels
+// are turned back by pos[t] · inv_freq as rope_rows does (the same arithmetic, so the same bits): a fragment's two
+// neighbouring columns are a pair.
 extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) attend16(
         const u16* __restrict__ q, const u16* __restrict__ kv, const int* __restrict__ idx, int H, int K, int d,
         const float* __restrict__ sinks, float scale, const float* __restrict__ aq, const float* __restrict__ ak,
@@ -128,7 +128,7 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) attend16(
     u16* tiles = qs + ATT_MAX_H * ATT_QROW;
     u16* ps = tiles + 2 * ATT_ROWS * ATT_QROW;
     float* red = reinterpret_cast<float*>(ps + ATT_MAX_H * ATT_PROW);  // [4][ATT_MAX_H]: a tile's maxima, then sums
-    float* run = red + 4 * ATT_MAX_H;  // per head: running maximum, sum, the last tile's correction, 1 / sum
+    float* run = red + 4 * ATT_MAX_H;  // per head: running maximum, sum, the last tile's correction, ak / sum
     int* ids = reinterpret_cast<int*>(run + 4 * ATT_MAX_H);  // [2][ATT_ROWS]: each tile's rows of kv, -1 masked
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const long long t = blockIdx.x;
