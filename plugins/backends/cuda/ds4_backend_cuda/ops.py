@@ -871,11 +871,12 @@ def norm_rope_attention(q: Any, eps: float, kv: Any, idx: Any, sinks: Weight | N
     shapes, has its queries normed and rotated straight into fp16 (normed rows need no scale) and the output's
     rotation done in that launch."""
     half, d = inv_freq.shape[0], q.shape[2]
+    few = _attends_rows(q, idx)
+    if not few and tensor_core_prefill() and attend16_fits(q.shape[1], d, idx.shape[1]):
+        q16 = _norm_rope(q, None, eps, positions, inv_freq, cp.float16)
+        return attend16(q16, kv, idx, values_or_null(sinks), scale, (positions, inv_freq))
     rope_fits = 2 * half <= d and half <= 32 * _ATTEND_HEADS and 4 * _ATTEND_HEADS * d + 8 * half <= _ATTEND_SHARED
-    if not (_attends_rows(q, idx) and rope_fits and positions.size == q.shape[0]):
-        if not _attends_rows(q, idx) and tensor_core_prefill() and attend16_fits(q.shape[1], d, idx.shape[1]):
-            q16 = _norm_rope(q, None, eps, positions, inv_freq, cp.float16)
-            return attend16(q16, kv, idx, values_or_null(sinks), scale, (positions, inv_freq))
+    if not (few and rope_fits and positions.size == q.shape[0]):
         out = sparse_attention(norm_rope(q, None, eps, positions, inv_freq), kv, idx, sinks, scale)
         return rope(out, positions, inv_freq, inverse=True)
     sink = values_or_null(sinks)

@@ -278,10 +278,11 @@ def per_token_products(a: Any, b: Any, transpose_b: bool, tf32: bool) -> Any:
     return out
 
 
-#: Warps of ``index_scores16`` and ``attend16``, the attention's most heads, its widest and its rows a tile
-#: (``IDX_WARPS``, ``ATT_WARPS``, ``ATT_MAX_H``, ``ATT_MAX_D``, ``ATT_ROWS`` in ``kernels/prefill_attend.cu``).
-_IDX_WARPS, _ATT_WARPS, _ATT_MAX_H, _ATT_MAX_D = 16, 16, 64, 512
-_ATT_ROWS = 64
+#: Warps of ``index_scores16`` and its widest heads; warps of ``attend16``, its most heads, its widest and its rows a
+#: tile (``IDX_WARPS``, ``IDX_MAX_D``, ``ATT_WARPS``, ``ATT_MAX_H``, ``ATT_MAX_D``, ``ATT_ROWS`` in
+#: ``kernels/prefill_attend.cu``).
+_IDX_WARPS, _IDX_MAX_D = 16, 128
+_ATT_WARPS, _ATT_MAX_H, _ATT_MAX_D, _ATT_ROWS = 16, 64, 512, 64
 #: attend16's dynamic shared memory: 16-bit rows of the queries, two tiles of rows and a tile's probabilities, then
 #: 8 floats a head and 2 ints a tile row
 _ATT_SHARED = (2 * ((_ATT_MAX_H + 2 * _ATT_ROWS) * (_ATT_MAX_D + 8) + _ATT_MAX_H * (_ATT_ROWS + 8))
@@ -290,7 +291,7 @@ _ATT_SHARED = (2 * ((_ATT_MAX_H + 2 * _ATT_ROWS) * (_ATT_MAX_D + 8) + _ATT_MAX_H
 
 def index_scores16_fits(H: int, D: int) -> bool:
     """Whether :func:`index_scores16` takes ``H`` heads of ``D`` channels."""
-    return H % 16 == 0 and 16 <= H <= 16 * _IDX_WARPS and D % 32 == 0 and 0 < D <= 128
+    return H % 16 == 0 and 16 <= H <= 16 * _IDX_WARPS and D % 32 == 0 and 0 < D <= _IDX_MAX_D
 
 
 def index_scores16(q: Any, keys: Any, head_weights: Any, scale: float) -> Any:
@@ -347,7 +348,7 @@ def attend16(q: Any, kv: Any, idx: Any, sinks: Any, scale: float, rope_back: tup
     out = cp.empty((T, H, d), dtype=F32)
     if T:
         if q.dtype == cp.float16:
-            q16, aq = cp.ascontiguousarray(q).view(cp.uint16), cp.asarray([1.0, 0.0], dtype=F32)
+            q16, aq = cp.ascontiguousarray(q).view(cp.uint16), cp.ones(1, dtype=F32)  # no scale: a fill, no copy
         else:
             q16, aq = to16(cp.ascontiguousarray(q, dtype=F32), "f16")
         kv16, ak = to16(cp.ascontiguousarray(kv, dtype=F32), "f16")
