@@ -899,7 +899,8 @@ def indexer_scores(q: Any, keys: Any, head_weights: Any, scale: float) -> Any:
     (``indexer_scores_spread``: a decode step up to ~4K tokens of context), else of 32 (``indexer_scores_rows``); many
     tokens under the 16-bit prefill: one launch on tensor cores that keeps every head's products on chip
     (``index_scores16``, heads a multiple of 16, up to 128 channels); else the products by cuBLAS, then one launch
-    for the rest (``relu_head_sum``)."""
+    for the rest (``relu_head_sum``), tokens at a time so that their products stay within :data:`DEQUANT_CHUNK`
+    values."""
     q = cp.ascontiguousarray(q, dtype=F32)
     keys = cp.ascontiguousarray(keys, dtype=F32)
     head_weights = cp.ascontiguousarray(head_weights, dtype=F32)
@@ -918,9 +919,12 @@ def indexer_scores(q: Any, keys: Any, head_weights: Any, scale: float) -> Any:
         return out
     if tensor_core_prefill() and index_scores16_fits(H, D):
         return index_scores16(q, keys, head_weights, scale)
-    dots = cp.ascontiguousarray(contract_dot(q, keys), dtype=F32)
-    glue_kernel("relu_head_sum")((-(-R // _THREADS), T), (_THREADS,), (
-        dots, head_weights, _i32(H), _i32(R), F32(scale), out))
+    step = max(1, DEQUANT_CHUNK // (H * R))  # tokens whose [t, H, R] products fit the float32 path's scratch bound
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        dots = cp.ascontiguousarray(contract_dot(q[t0:t1], keys), dtype=F32)
+        glue_kernel("relu_head_sum")((-(-R // _THREADS), t1 - t0), (_THREADS,), (
+            dots, head_weights[t0:t1], _i32(H), _i32(R), F32(scale), out[t0:t1]))
     return out
 
 
