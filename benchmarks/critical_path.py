@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 import ds4_backend_cuda
+import ds4_model_deepseek4
 
 from ds4_core.gguf import GGUFFile
 
@@ -56,6 +57,13 @@ def copy_backend(root: Path) -> Path:
     ``PYTHONPATH`` to run it); the copy's directory."""
     package = root / "ds4_backend_cuda"
     shutil.copytree(Path(ds4_backend_cuda.__file__).parent, package, ignore=shutil.ignore_patterns("__pycache__"))
+    return package
+
+
+def copy_model(root: Path) -> Path:
+    """A copy of the installed ``ds4_model_deepseek4`` at ``root / "ds4_model_deepseek4"``, as :func:`copy_backend`."""
+    package = root / "ds4_model_deepseek4"
+    shutil.copytree(Path(ds4_model_deepseek4.__file__).parent, package, ignore=shutil.ignore_patterns("__pycache__"))
     return package
 
 

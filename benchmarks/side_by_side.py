@@ -1,7 +1,9 @@
 """A decode step's GPU time with the installed CUDA backend and with other versions of it, replayed in turn.
 
 Each VERSION is a directory of ``ds4_backend_cuda`` files laid out as in the package (``kernels/quant_int8.cu``,
-``ops.py``, ...): a copy of the installed backend with those files in place goes first on ``PYTHONPATH``, and the
+``ops.py``, ...), and optionally of the DeepSeek V4 model plugin's under ``ds4_model_deepseek4/`` (a change to the
+graph, such as the order of a step's branches): a copy of the installed backend (and model plugin) with those files
+in place goes first on ``PYTHONPATH``, and the
 recorded step of both GGUF files (of one model, different layer counts) is replayed by ``decode_replay.py`` in a
 process of its own. The installed backend runs first, then each version, ALTERNATIONS times over, so that a drift of
 the machine shows in the installed backend's rows: how docs/performance.md measures a change "beside main,
@@ -12,7 +14,8 @@ times.
 whose tests fail is left out of the timings, with the tests' last lines printed. ``--alone`` also times each
 version's weight kernels alone (``decode_gemvs.py``), a column a version, before the replays.
 
-``export REF DIR`` writes the backend's files at git revision REF into DIR, run where the repository's history is (the
+``export REF DIR`` writes the backend's and the model plugin's files at git revision REF into DIR, run where the
+repository's history is (the
 device machine gets the working tree without it): ``python benchmarks/side_by_side.py export main .ab/main`` in the
 repository (a directory git ignores, such as ``.ab/`` listed in ``.git/info/exclude``, travels to the device when
 named in its carry), then there, with the working tree installed, ``python benchmarks/side_by_side.py /tmp/f12.gguf
@@ -36,23 +39,27 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-#: The backend package's directory in the repository.
+#: The backend package's directory in the repository, and the model plugin's, whose files a version holds under
+#: the package's name.
 PACKAGE = "plugins/backends/cuda/ds4_backend_cuda"
+MODEL_PACKAGE = "plugins/models/deepseek4/ds4_model_deepseek4"
+MODEL = Path(MODEL_PACKAGE).name
 ALONE = Path(__file__).with_name("decode_gemvs.py")
 
 
 def export(ref: str, dest: Path) -> list[str]:
-    """The files of :data:`PACKAGE` at git revision ``ref`` written under ``dest`` (paths relative to the package);
-    their paths."""
+    """The files of :data:`PACKAGE` at git revision ``ref`` written under ``dest`` (paths relative to the package),
+    and those of :data:`MODEL_PACKAGE` under ``dest / MODEL``; their paths."""
     root = Path(__file__).resolve().parents[1]
-    done = subprocess.run(["git", "-C", str(root), "archive", "--format=tar", ref, PACKAGE], capture_output=True)
+    done = subprocess.run(["git", "-C", str(root), "archive", "--format=tar", ref, PACKAGE, MODEL_PACKAGE],
+                          capture_output=True)
     if done.returncode:
-        raise SystemExit(f"git archive {ref} {PACKAGE} failed: {done.stderr.decode().strip()}")
+        raise SystemExit(f"git archive {ref} {PACKAGE} {MODEL_PACKAGE} failed: {done.stderr.decode().strip()}")
     names = []
     with tarfile.open(fileobj=io.BytesIO(done.stdout)) as tar:
         for member in tar.getmembers():
             if member.isfile() and "__pycache__" not in member.name:
-                name = member.name.removeprefix(PACKAGE + "/")
+                name = member.name.removeprefix(PACKAGE + "/").replace(MODEL_PACKAGE, MODEL, 1)
                 (dest / name).parent.mkdir(parents=True, exist_ok=True)
                 (dest / name).write_bytes(tar.extractfile(member).read())
                 names.append(name)
@@ -60,20 +67,24 @@ def export(ref: str, dest: Path) -> list[str]:
 
 
 def overlay(version: Path, package: Path) -> list[str]:
-    """``version``'s files copied over the backend package directory ``package``; the paths of those that differ from
-    the package's (new or changed). A file whose directory the package lacks is refused: under a wrong root it would
-    change nothing."""
+    """``version``'s files copied over the backend package directory ``package``, those under ``MODEL/`` over the
+    model plugin's copy beside it (``package.parent / MODEL``); the paths of those that differ (new or changed). A
+    file whose directory the package lacks is refused: under a wrong root it would change nothing."""
     names = sorted(str(p.relative_to(version)) for p in version.rglob("*") if p.is_file() and "__pycache__" not in
                    p.parts)
     if not names:
         raise SystemExit(f"{version}: no files; give a directory laid out as ds4_backend_cuda (kernels/*.cu, *.py)")
+
+    def target(name: str) -> Path:
+        return package.parent / name if Path(name).parts[0] == MODEL else package / name
+
     for name in names:
-        if not (package / name).parent.is_dir():
-            raise SystemExit(f"{version / name}: ds4_backend_cuda has no directory {Path(name).parent}")
-    changed = [n for n in names
-               if not (package / n).is_file() or (package / n).read_bytes() != (version / n).read_bytes()]
+        if not target(name).parent.is_dir():
+            where = MODEL if Path(name).parts[0] == MODEL else package.name
+            raise SystemExit(f"{version / name}: {where} has no directory {target(name).parent.name}")
+    changed = [n for n in names if not target(n).is_file() or target(n).read_bytes() != (version / n).read_bytes()]
     for name in changed:
-        shutil.copyfile(version / name, package / name)
+        shutil.copyfile(version / name, target(name))
     return changed
 
 
@@ -103,12 +114,13 @@ def main() -> None:
         args = parser.parse_args()
         print(f"{len(export(args.ref, args.dest))} files of {PACKAGE} at {args.ref} in {args.dest}")
         return
-    from critical_path import by_layers, copy_backend, layer_us, replay_ms, run_with
+    from critical_path import by_layers, copy_backend, copy_model, layer_us, replay_ms, run_with
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      epilog="A VERSION directory from git: side_by_side.py export REF DIR.")
     parser.add_argument("files", type=Path, nargs=2, help="two GGUF files of one model with different layer counts")
-    parser.add_argument("versions", type=Path, nargs="+", help="directories of ds4_backend_cuda files")
+    parser.add_argument("versions", type=Path, nargs="+",
+                        help="directories of ds4_backend_cuda files (and ds4_model_deepseek4/ files)")
     parser.add_argument("--replays", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--alternations", type=int, default=2)
@@ -121,6 +133,8 @@ def main() -> None:
         roots: list[tuple[str, Path | None]] = [("installed", None)]
         for i, version in enumerate(args.versions):
             root = Path(tmp) / str(i)
+            if (version / MODEL).is_dir():
+                copy_model(root)
             changed = overlay(version, copy_backend(root))
             print(f"# {version}: {', '.join(changed) or 'the installed files'}", flush=True)
             if args.tests:

@@ -24,12 +24,16 @@ def _git(*args: str) -> str:
     return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True).stdout
 
 
-def test_export_writes_the_backend_files_of_a_revision(side_by_side, tmp_path):
+def test_export_writes_the_backend_and_model_files_of_a_revision(side_by_side, tmp_path):
     names = side_by_side.export("HEAD", tmp_path)
-    tracked = _git("ls-tree", "-r", "--name-only", "HEAD", side_by_side.PACKAGE).split()
-    assert names == sorted(p.removeprefix(side_by_side.PACKAGE + "/") for p in tracked)
-    assert "kernels/quant_int8.cu" in names and "ops.py" in names
+    backend = _git("ls-tree", "-r", "--name-only", "HEAD", side_by_side.PACKAGE).split()
+    model = _git("ls-tree", "-r", "--name-only", "HEAD", side_by_side.MODEL_PACKAGE).split()
+    assert names == sorted([p.removeprefix(side_by_side.PACKAGE + "/") for p in backend]
+                           + [p.replace(side_by_side.MODEL_PACKAGE, "ds4_model_deepseek4") for p in model])
+    assert {"kernels/quant_int8.cu", "ops.py", "ds4_model_deepseek4/model.py"} <= set(names)
     assert (tmp_path / "ops.py").read_text() == _git("show", f"HEAD:{side_by_side.PACKAGE}/ops.py")
+    assert (tmp_path / "ds4_model_deepseek4" / "model.py").read_text() == _git(
+        "show", f"HEAD:{side_by_side.MODEL_PACKAGE}/model.py")
 
 
 def test_export_of_an_unknown_revision_says_which(side_by_side, tmp_path):
@@ -61,6 +65,26 @@ def test_overlay_replaces_what_differs_and_refuses_a_wrong_layout(side_by_side, 
     empty.mkdir()
     with pytest.raises(SystemExit, match="no files"):
         side_by_side.overlay(empty, package)
+
+
+def test_overlay_lays_a_versions_model_files_over_the_model_copy_beside_the_backend(side_by_side, tmp_path):
+    package, model = tmp_path / "ds4_backend_cuda", tmp_path / "ds4_model_deepseek4"
+    package.mkdir()
+    model.mkdir()
+    (package / "ops.py").write_text("ops\n")
+    (model / "model.py").write_text("old graph\n")
+    version = tmp_path / "version"
+    (version / "ds4_model_deepseek4").mkdir(parents=True)
+    (version / "ds4_model_deepseek4" / "model.py").write_text("new graph\n")
+    (version / "ops.py").write_text("ops\n")
+    assert side_by_side.overlay(version, package) == ["ds4_model_deepseek4/model.py"]
+    assert (model / "model.py").read_text() == "new graph\n"
+    assert not (package / "ds4_model_deepseek4").exists()
+
+    (version / "ds4_model_deepseek4" / "sub").mkdir()
+    (version / "ds4_model_deepseek4" / "sub" / "x.py").write_text("x\n")
+    with pytest.raises(SystemExit, match="ds4_model_deepseek4 has no directory sub"):
+        side_by_side.overlay(version, package)
 
 
 def test_kernel_times_reads_the_alone_report_and_the_table_lines_versions_up(side_by_side):
