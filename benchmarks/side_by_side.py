@@ -112,7 +112,8 @@ def main() -> None:
         parser.add_argument("ref")
         parser.add_argument("dest", type=Path)
         args = parser.parse_args()
-        print(f"{len(export(args.ref, args.dest))} files of {PACKAGE} at {args.ref} in {args.dest}")
+        print(f"{len(export(args.ref, args.dest))} files of {PACKAGE} and {MODEL_PACKAGE} at {args.ref} in "
+              f"{args.dest}")
         return
     from critical_path import by_layers, copy_backend, copy_model, layer_us, replay_ms, run_with
 
