@@ -3,23 +3,21 @@
 Each VERSION is a directory of ``ds4_backend_cuda`` files laid out as in the package (``kernels/quant_int8.cu``,
 ``ops.py``, ...), and optionally of the DeepSeek V4 model plugin's under ``ds4_model_deepseek4/`` (a change to the
 graph, such as the order of a step's branches): a copy of the installed backend (and model plugin) with those files
-in place goes first on ``PYTHONPATH``, and the
-recorded step of both GGUF files (of one model, different layer counts) is replayed by ``decode_replay.py`` in a
-process of its own. The installed backend runs first, then each version, ALTERNATIONS times over, so that a drift of
-the machine shows in the installed backend's rows: how docs/performance.md measures a change "beside main,
-alternately in one call". A version's first run compiles its kernels; the replay's warm-up keeps that out of its
-times.
+in place goes first on ``PYTHONPATH``, and the recorded step of both GGUF files (of one model, different layer
+counts) is replayed by ``decode_replay.py`` in a process of its own. The installed backend runs first, then each
+version, ALTERNATIONS times over, so that a drift of the machine shows in the installed backend's rows: how
+docs/performance.md measures a change "beside main, alternately in one call". A version's first run compiles its
+kernels; the replay's warm-up keeps that out of its times.
 
 ``--tests FILE ...`` first runs those test files (``pytest``, GPU and host tests alike) with each version; a version
 whose tests fail is left out of the timings, with the tests' last lines printed. ``--alone`` also times each
 version's weight kernels alone (``decode_gemvs.py``), a column a version, before the replays.
 
 ``export REF DIR`` writes the backend's and the model plugin's files at git revision REF into DIR, run where the
-repository's history is (the
-device machine gets the working tree without it): ``python benchmarks/side_by_side.py export main .ab/main`` in the
-repository (a directory git ignores, such as ``.ab/`` listed in ``.git/info/exclude``, travels to the device when
-named in its carry), then there, with the working tree installed, ``python benchmarks/side_by_side.py /tmp/f12.gguf
-/tmp/f4.gguf .ab/main``.
+repository's history is (the device machine gets the working tree without it): ``python benchmarks/side_by_side.py
+export main .ab/main`` in the repository (a directory git ignores, such as ``.ab/`` listed in ``.git/info/exclude``,
+travels to the device when named in its carry), then there, with the working tree installed, ``python
+benchmarks/side_by_side.py /tmp/f12.gguf /tmp/f4.gguf .ab/main``.
 
 Usage: python benchmarks/side_by_side.py FILE FILE VERSION [VERSION ...] [--replays 100] [--rounds 2]
        [--alternations 2] [--tests FILE ...] [--alone]
