@@ -62,6 +62,12 @@ def probe_backends(registry: Registry, model: ModelSpec | None = None,
     return choices
 
 
+def bound_ops(registry: Registry, name: str, backend: Backend) -> Ops:
+    """The kernels that plugins register for backend ``name``, resolved and bound to ``backend``, as a model runs
+    them."""
+    return Ops(backend, {op: resolve(k.impl) for op, k in registry.kernels_for(name).items()})
+
+
 def _choose_backend(registry: Registry, name: str, model: ModelSpec, quant_types: set[str]) -> BackendSpec:
     choices = probe_backends(registry, model, quant_types)
     if name != "auto":
@@ -128,8 +134,7 @@ class Engine:
             quant_types = {t.type_name for t in gguf.tensors.values()}
             bspec = _choose_backend(registry, backend, spec, quant_types)
             be: Backend = resolve(bspec.factory)()
-            kernels = {op: resolve(k.impl) for op, k in registry.kernels_for(bspec.name).items()}
-            ops = Ops(be, kernels)
+            ops = bound_ops(registry, bspec.name, be)
             tokenizer = Tokenizer.from_metadata(gguf.metadata)
             chat_format = resolve(spec.chat)() if spec.chat else None
             total = sum(t.nbytes for t in gguf.tensors.values())

@@ -97,11 +97,12 @@ def prefill(model: Any, state: Any, ids: np.ndarray, chunk: int) -> Any:
 def backend_ops(name: str = "cuda") -> tuple[Backend, Ops]:
     """The installed backend ``name`` and its kernels, bound as ``Engine.load`` binds them."""
     from ds4_core.descriptors import resolve
+    from ds4_core.engine import bound_ops
     from ds4_core.plugins import get_plugin_manager
 
     registry = get_plugin_manager().registry
     backend = resolve(registry.backend(name).factory)()
-    return backend, Ops(backend, {op: resolve(k.impl) for op, k in registry.kernels_for(name).items()})
+    return backend, bound_ops(registry, name, backend)
 
 
 def _timed(fn: Callable[[], Any], backend: Backend) -> float:
