@@ -32,6 +32,7 @@ from .prefill import (
     prefill_linear,
     prefill_linears,
     prefill_moe,
+    rope_args,
     rope_to16,
 )
 
@@ -561,10 +562,10 @@ def _row_rope_args(x: Any, positions: Any, inv_freq: Any) -> tuple | None:
     """The RoPE arguments of :func:`_norm_rows` for ``x [T, ..., d]`` (float32, contiguous) at ``positions [T]``, or
     None where the one-launch kernels do not take it (no rows, or wider than a block's threads hold)."""
     d = x.shape[-1]
-    pos = cp.ascontiguousarray(positions, dtype=cp.int32).reshape(-1)
-    if not x.size or d > 8 * _norm_threads(d) or pos.size != x.shape[0]:
+    args = rope_args(positions, inv_freq)
+    if not x.size or d > 8 * _norm_threads(d) or args[0].size != x.shape[0]:
         return None
-    return pos, cp.ascontiguousarray(inv_freq, dtype=F32), _i32(inv_freq.shape[0]), _i32(x.size // d // x.shape[0])
+    return *args, _i32(x.size // d // x.shape[0])
 
 
 def _norm_rope(x: Any, w: Weight | None, eps: float, positions: Any, inv_freq: Any, dtype: Any) -> Any:
@@ -588,13 +589,12 @@ def rope(x: Any, positions: Any, inv_freq: Any, inverse: bool = False) -> Any:
     x = cp.ascontiguousarray(x, dtype=F32)
     y = cp.empty_like(x)
     if x.size:
-        pos = cp.ascontiguousarray(positions, dtype=cp.int32).reshape(-1)
+        pos, freq, half = rope_args(positions, inv_freq)
         if pos.size != x.shape[0]:
             raise BackendError(f"rope needs one position per token: {pos.size} positions for {x.shape[0]} tokens")
         d = x.shape[-1]
         glue_kernel("rope_rows")((-(-x.size // _THREADS),), (_THREADS,), (
-            x, pos, cp.ascontiguousarray(inv_freq, dtype=F32), _i64(x.size), _i32(d), _i32(inv_freq.shape[0]),
-            _i32(x.size // d // x.shape[0]), _i32(int(inverse)), y))
+            x, pos, freq, _i64(x.size), _i32(d), half, _i32(x.size // d // x.shape[0]), _i32(int(inverse)), y))
     return y
 
 
@@ -826,10 +826,9 @@ def _rope_in_place(x: Any, positions: Any, inv_freq: Any) -> Any:
         raise BackendError(f"RoPE of {2 * half} channels does not fit rows of {d}")
     n = x.size // d * half
     if n:
-        pos = cp.ascontiguousarray(positions, dtype=cp.int32).reshape(-1)
+        pos, freq, _ = rope_args(positions, inv_freq)
         glue_kernel("rope_tail")((-(-n // _THREADS),), (_THREADS,), (
-            x, pos, cp.ascontiguousarray(inv_freq, dtype=F32), _i64(n), _i32(d), _i32(half),
-            _i32(x.size // d // x.shape[0]), _i32(1)))
+            x, pos, freq, _i64(n), _i32(d), _i32(half), _i32(x.size // d // x.shape[0]), _i32(1)))
     return x
 
 
@@ -880,9 +879,8 @@ def norm_rope_attention(q: Any, eps: float, kv: Any, idx: Any, sinks: Weight | N
         out = sparse_attention(norm_rope(q, None, eps, positions, inv_freq), kv, idx, sinks, scale)
         return rope(out, positions, inv_freq, inverse=True)
     sink = values_or_null(sinks)
-    rope_args = (cp.ascontiguousarray(positions, dtype=cp.int32).reshape(-1),
-                 cp.ascontiguousarray(inv_freq, dtype=F32), _i32(half), F32(eps))
-    return _attend_rows(q, kv, idx, sink, scale, rope_args, quantized=int8_enabled())
+    return _attend_rows(q, kv, idx, sink, scale, (*rope_args(positions, inv_freq), F32(eps)),
+                        quantized=int8_enabled())
 
 
 #: Most heads and the keys of one block of ``indexer_scores_rows`` (SCORE_HEADS, SCORE_KEYS in ``kernels/rows.cu``).

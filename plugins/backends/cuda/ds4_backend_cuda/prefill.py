@@ -220,8 +220,8 @@ def rope_to16(x: Any, half: str, positions: Any, inv_freq: Any, bound_of: Any, f
                         (bound_of, _i64(bound_of.size), amax))
     d, n = x.shape[-1], x.size
     _shared(f"rope_to16<{_OUT_TYPE[half]}>")((max(1, -(-n // (8 * _THREADS))),), (_THREADS,), (
-        x, _i64(n), _i32(d), _i32(inv_freq.shape[0]), cp.ascontiguousarray(positions, dtype=cp.int32).reshape(-1),
-        cp.ascontiguousarray(inv_freq, dtype=F32), _i32(n // d // x.shape[0]), amax, F32(factor), out, alpha_beta))
+        x, _i64(n), _i32(d), _i32(inv_freq.shape[0]), *rope_args(positions, inv_freq)[:2], _i32(n // d // x.shape[0]),
+        amax, F32(factor), out, alpha_beta))
     return out, alpha_beta
 
 
@@ -323,12 +323,14 @@ def _shared_optin(device: int) -> int:
     return int(cp.cuda.runtime.deviceGetAttribute(cp.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device))
 
 
-def _rope_args(rope_back: tuple[Any, Any] | None) -> tuple[Any, Any, np.int32]:
-    if rope_back is None:
-        return np.uint64(0), np.uint64(0), _i32(0)
-    positions, inv_freq = rope_back
+def rope_args(positions: Any, inv_freq: Any) -> tuple[Any, Any, np.int32]:
+    """(positions as int32 [T], inv_freq as float32, its length): the RoPE arguments of every rotating kernel."""
     return (cp.ascontiguousarray(positions, dtype=cp.int32).reshape(-1), cp.ascontiguousarray(inv_freq, dtype=F32),
             _i32(inv_freq.shape[0]))
+
+
+def _rope_args(rope_back: tuple[Any, Any] | None) -> tuple[Any, Any, np.int32]:
+    return (np.uint64(0), np.uint64(0), _i32(0)) if rope_back is None else rope_args(*rope_back)
 
 
 @functools.cache

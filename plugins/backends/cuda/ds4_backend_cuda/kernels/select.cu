@@ -283,8 +283,11 @@ extern "C" __global__ void step_index(const int* __restrict__ pos, int W, const 
                                       int* __restrict__ out) {
     grid_wait();
     const int p = pos[0];
+    const auto window = [&](int* rows) {
+        for (int s = threadIdx.x; s < W; s += blockDim.x) rows[s] = s <= p ? s : -1;
+    };
     if (threadIdx.x == 0) out[0] = p % W;
-    for (int s = threadIdx.x; s < W; s += blockDim.x) out[1 + s] = s <= p ? s : -1;
+    window(out + 1);
     int at = 1 + W;
     for (int i = 0; i < n_specs; ++i) {
         const int2 spec = specs[i];
@@ -292,7 +295,7 @@ extern "C" __global__ void step_index(const int* __restrict__ pos, int W, const 
         if (threadIdx.x == 0) out[at] = limit;
         at += 1;
         if (spec.y > 0) {
-            for (int s = threadIdx.x; s < W; s += blockDim.x) out[at + s] = s <= p ? s : -1;
+            window(out + at);
             for (int w = threadIdx.x; w < spec.y; w += blockDim.x) out[at + W + w] = w < limit ? W + w : -1;
             at += W + spec.y;
         }
