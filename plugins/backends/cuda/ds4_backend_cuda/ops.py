@@ -52,11 +52,11 @@ PREFILL_ENV = "DS4_CUDA_PREFILL"
 #: Rows per warp and warps per block of the GEMV kernels (GEMV_ROWS, GEMV_WARPS in quant.cu).
 ROWS_PER_WARP = 4
 WARPS_PER_BLOCK = 8
-#: Blocks per multiprocessor a GEMV aims for before it splits rows over several warps (float and integer kernels:
-#: on the Flash shapes the integer GEMVs ran fastest with about one block per multiprocessor, e.g. `attn_output_a`
-#: 14.7 -> 11.7 us unsplit, `attn_output_b` 16.3 -> 13.1 us in two splits instead of four).
-_WAVES = 2
-_WAVES_I8 = 1
+#: Blocks per multiprocessor a GEMV aims for before it splits rows over several warps. On the Flash shapes both kinds
+#: ran fastest with about one: the integer `attn_output_a` 14.7 -> 11.7 us unsplit, `attn_output_b` 16.3 -> 13.1 us
+#: in two splits instead of four; the float indexer query projection (8192 rows) in 256 unsplit blocks instead of
+#: 512 of two splits, 0.6 us a layer off a decode step (docs/performance.md, session 51).
+_WAVES = 1
 #: Blocks per multiprocessor an integer GEMV keeps when it gives each block several passes over row groups, and the
 #: most passes it gives.
 PASS_BLOCKS = 1.5
@@ -89,11 +89,11 @@ def _multiprocessors(device: int) -> int:
     return cp.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
 
 
-def _splits(qtype: str, nrows: int, ncols: int, chunk_blocks: int | None = None, waves: int = _WAVES) -> int:
-    """Warps that share one row group (1, 2, 4 or 8): ``waves`` blocks per multiprocessor, at most one warp per
+def _splits(qtype: str, nrows: int, ncols: int, chunk_blocks: int | None = None) -> int:
+    """Warps that share one row group (1, 2, 4 or 8): :data:`_WAVES` blocks per multiprocessor, at most one warp per
     chunk."""
     chunks = -(-ncols // (_BLOCK_ELEMS[qtype] * (chunk_blocks or _CHUNK_BLOCKS[qtype])))
-    target = waves * _multiprocessors(cp.cuda.Device().id)
+    target = _WAVES * _multiprocessors(cp.cuda.Device().id)
     splits = 1
     while (splits < WARPS_PER_BLOCK and 2 * splits <= chunks
            and -(-nrows // (WARPS_PER_BLOCK // splits * ROWS_PER_WARP)) < target):
@@ -182,7 +182,7 @@ def _act_groups(rows_per_block: int, group_rows: int, groups: int) -> int:
 
 def _i8_plan(qtype: str, nrows: int, ncols: int) -> tuple[int, int, int]:
     """(splits, passes, one-pass blocks) of the int8 GEMV of ``nrows`` rows of ``ncols`` columns."""
-    splits = _splits(qtype, nrows, ncols, _CHUNK_BLOCKS_I8[qtype], _WAVES_I8)
+    splits = _splits(qtype, nrows, ncols, _CHUNK_BLOCKS_I8[qtype])
     blocks = -(-nrows // (WARPS_PER_BLOCK // splits * ROWS_PER_WARP))
     return splits, _passes(blocks) if splits == 1 else 1, blocks
 
@@ -675,7 +675,7 @@ def contract_mix(p: Any, b: Any) -> Any:
 
 
 #: Heads and rows that one block of ``attend_rows`` takes (ATTEND_HEADS, ATTEND_ROWS in kernels/attention.cu).
-_ATTEND_HEADS, _ATTEND_ROWS = 8, 32
+_ATTEND_HEADS, _ATTEND_ROWS = 4, 32
 #: Shared memory the few-token attention may take without asking for more (attend_rows: its heads' queries, and
 #: with the queries' RoPE one (cos, sin) per rotated pair).
 _ATTEND_SHARED = 48 * 1024

@@ -11,8 +11,9 @@
 #include <cuda_fp16.h>
 
 #define NEG_INF __int_as_float(0xff800000)  // NVRTC has no math.h, so no INFINITY
-#define ATTEND_HEADS 8                      // heads of a block: one warp each in the softmax
-#define ATTEND_ROWS 32                      // rows of a block: ATTEND_ROWS / 8 per warp in the scores
+#define ATTEND_HEADS 4                      // heads of a block: one warp each in the softmax (4 rather than 8:
+                                           // twice the blocks over a decode step's few hundred rows)
+#define ATTEND_ROWS 32                      // rows of a block: ROWS_PER_WARP per warp in the scores
 #define ROWS_PER_WARP (ATTEND_ROWS / ATTEND_HEADS)
 #define MIX_STEP 8                          // rows of a step of the weighted sum
 static_assert(ROWS_PER_WARP * ATTEND_HEADS == 32, "the scores' transposed sum gives each lane one (row, head)");
