@@ -90,10 +90,12 @@ def run_with(path: Path | None, command: list[str]) -> subprocess.CompletedProce
     return subprocess.run(command, env=env, capture_output=True, text=True)
 
 
-def replay_ms(files: list[Path], path: Path | None, replays: int, rounds: int) -> list[float]:
-    """Median ms a step of each of ``files``, replayed with the backend found first at ``path`` (None: installed)."""
+def replay_ms(files: list[Path], path: Path | None, replays: int, rounds: int,
+              prompt_tokens: int = 2048) -> list[float]:
+    """Median ms a step of each of ``files`` after ``prompt_tokens`` tokens, replayed with the backend found first at
+    ``path`` (None: installed)."""
     done = run_with(path, [sys.executable, str(REPLAY), *map(str, files), "--replays", str(replays), "--rounds",
-                           str(rounds)])
+                           str(rounds), "--prompt-tokens", str(prompt_tokens)])
     medians = re.findall(r"median ([0-9.]+)\)", done.stdout)
     if done.returncode or len(medians) != len(files):
         raise SystemExit(f"the replay failed ({done.returncode}):\n{done.stdout}{done.stderr[-3000:]}")

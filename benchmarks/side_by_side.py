@@ -20,7 +20,7 @@ travels to the device when named in its carry), then there, with the working tre
 benchmarks/side_by_side.py /tmp/f12.gguf /tmp/f4.gguf .ab/main``.
 
 Usage: python benchmarks/side_by_side.py FILE FILE VERSION [VERSION ...] [--replays 100] [--rounds 2]
-       [--alternations 2] [--tests FILE ...] [--alone]
+       [--alternations 2] [--prompt-tokens 2048] [--tests FILE ...] [--alone]
        python benchmarks/side_by_side.py export REF DIR
 (the first needs a GPU with the CUDA backend; export needs git.)
 """
@@ -123,6 +123,7 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--alternations", type=int, default=2)
+    parser.add_argument("--prompt-tokens", type=int, default=2048, help="context of the replayed steps")
     parser.add_argument("--tests", nargs="+", default=[], metavar="FILE",
                         help="test files each version must pass before it is timed")
     parser.add_argument("--alone", action="store_true", help="also time each version's weight kernels alone")
@@ -155,7 +156,7 @@ def main() -> None:
         print(f"{'version':40s} {big.name:>10s} {small.name:>10s} {'µs/layer':>9s}")
         for _ in range(args.alternations):
             for label, root in roots:
-                ms = replay_ms([big, small], root, args.replays, args.rounds)
+                ms = replay_ms([big, small], root, args.replays, args.rounds, args.prompt_tokens)
                 print(f"{label[-40:]:40s} {ms[0]:10.4f} {ms[1]:10.4f} {layer_us(ms, span):9.2f}",
                       flush=True)
 
