@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import ModuleType
 
 import ds4_backend_cuda
 import ds4_model_deepseek4
@@ -52,19 +53,23 @@ def knock_out(source: str, kernel: str) -> str | None:
     return (SAME if fmt else "") + source[:body] + leave + source[body:]
 
 
-def copy_backend(root: Path) -> Path:
-    """A copy of the installed ``ds4_backend_cuda`` at ``root / "ds4_backend_cuda"`` (put ``root`` first on
-    ``PYTHONPATH`` to run it); the copy's directory."""
-    package = root / "ds4_backend_cuda"
-    shutil.copytree(Path(ds4_backend_cuda.__file__).parent, package, ignore=shutil.ignore_patterns("__pycache__"))
+def _copy_package(module: ModuleType, root: Path) -> Path:
+    """A copy of the installed package ``module`` at ``root / its name`` (put ``root`` first on ``PYTHONPATH`` to
+    run it); the copy's directory."""
+    source = Path(module.__file__).parent
+    package = root / source.name
+    shutil.copytree(source, package, ignore=shutil.ignore_patterns("__pycache__"))
     return package
+
+
+def copy_backend(root: Path) -> Path:
+    """A copy of the installed ``ds4_backend_cuda`` at ``root / "ds4_backend_cuda"``."""
+    return _copy_package(ds4_backend_cuda, root)
 
 
 def copy_model(root: Path) -> Path:
-    """A copy of the installed ``ds4_model_deepseek4`` at ``root / "ds4_model_deepseek4"``, as :func:`copy_backend`."""
-    package = root / "ds4_model_deepseek4"
-    shutil.copytree(Path(ds4_model_deepseek4.__file__).parent, package, ignore=shutil.ignore_patterns("__pycache__"))
-    return package
+    """A copy of the installed ``ds4_model_deepseek4`` at ``root / "ds4_model_deepseek4"``."""
+    return _copy_package(ds4_model_deepseek4, root)
 
 
 def patched_backend(kernels: list[str], root: Path) -> Path:

@@ -242,9 +242,8 @@ def write_flash_gguf(path: str | Path, layers: int, recipe: str = "q2", seed: in
     float weights scaled by 1/sqrt(fan-in), hash tables of distinct expert ids — repeated to its full size
     (:func:`tensor_pattern`: one per role, which every layer shares). So experts repeat their bytes every few MB and
     layers repeat each other; bandwidth timing does not care (each tensor has its own addresses), but the model
-    computes nothing
-    meaningful. ``shapes`` overrides :data:`FLASH` fields (tests write toy-size files). The file appears at
-    ``path`` only when complete. Returns ``path``.
+    computes nothing meaningful. ``shapes`` overrides :data:`FLASH` fields (tests write toy-size files). The file
+    appears at ``path`` only when complete. Returns ``path``.
     """
     path = Path(path)
     cfg = flash_config(layers, shapes)
