@@ -13,11 +13,11 @@ kernels; the replay's warm-up keeps that out of its times.
 whose tests fail is left out of the timings, with the tests' last lines printed. ``--alone`` also times each
 version's weight kernels alone (``decode_gemvs.py``), a column a version, before the replays.
 
-``export REF DIR`` writes the backend's and the model plugin's files at git revision REF into DIR, run where the
-repository's history is (the device machine gets the working tree without it): ``python benchmarks/side_by_side.py
-export main .ab/main`` in the repository (a directory git ignores, such as ``.ab/`` listed in ``.git/info/exclude``,
-travels to the device when named in its carry), then there, with the working tree installed, ``python
-benchmarks/side_by_side.py /tmp/f12.gguf /tmp/f4.gguf .ab/main``.
+``export REF DIR`` writes the backend's and the model plugin's files (its code, not its shipped data) at git revision
+REF into DIR, run where the repository's history is (the device machine gets the working tree without it): ``python
+benchmarks/side_by_side.py export main .ab/main`` in the repository (a directory git ignores, such as ``.ab/`` listed
+in ``.git/info/exclude``, travels to the device when named in its carry), then there, with the working tree
+installed, ``python benchmarks/side_by_side.py /tmp/f12.gguf /tmp/f4.gguf .ab/main``.
 
 Usage: python benchmarks/side_by_side.py FILE FILE VERSION [VERSION ...] [--replays 100] [--rounds 2]
        [--alternations 2] [--prompt-tokens 2048] [--tests FILE ...] [--alone]
@@ -45,9 +45,14 @@ MODEL = Path(MODEL_PACKAGE).name
 ALONE = Path(__file__).with_name("decode_gemvs.py")
 
 
+#: What a version leaves out of the model plugin: its shipped data (the tiny models, megabytes that a replay never
+#: reads and that would fill the device's carry).
+MODEL_DATA = f"{MODEL_PACKAGE}/data/"
+
+
 def export(ref: str, dest: Path) -> list[str]:
     """The files of :data:`PACKAGE` at git revision ``ref`` written under ``dest`` (paths relative to the package),
-    and those of :data:`MODEL_PACKAGE` under ``dest / MODEL``; their paths."""
+    and those of :data:`MODEL_PACKAGE` but its data (:data:`MODEL_DATA`) under ``dest / MODEL``; their paths."""
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run(["git", "-C", str(root), "archive", "--format=tar", ref, PACKAGE, MODEL_PACKAGE],
                           capture_output=True)
@@ -56,7 +61,7 @@ def export(ref: str, dest: Path) -> list[str]:
     names = []
     with tarfile.open(fileobj=io.BytesIO(done.stdout)) as tar:
         for member in tar.getmembers():
-            if member.isfile() and "__pycache__" not in member.name:
+            if member.isfile() and "__pycache__" not in member.name and not member.name.startswith(MODEL_DATA):
                 name = member.name.removeprefix(PACKAGE + "/").replace(MODEL_PACKAGE, MODEL, 1)
                 (dest / name).parent.mkdir(parents=True, exist_ok=True)
                 (dest / name).write_bytes(tar.extractfile(member).read())
