@@ -200,5 +200,6 @@ def print_engine(e: dict[str, Any]) -> None:
               f"{d['replay_vs_eager']:.1e} of the largest; device memory in use {d['device_used_bytes'] / gb:.1f} GB")
     for p in e["prefill"]:
         print(f"  prefill {p['tokens']:6d} tokens in chunks of {e['prefill_chunk']}: {p['seconds'] * 1e3:8.1f} ms "
-              f"(median of {len(p['runs'])}), {p['tokens_per_s']:.0f} t/s, {100 * p['fraction_of_matmul_roof']:.1f}% "
+              f"(median of {len(p['runs'])}: {min(p['runs']) * 1e3:.1f}-{max(p['runs']) * 1e3:.1f} ms), "
+              f"{p['tokens_per_s']:.0f} t/s, {100 * p['fraction_of_matmul_roof']:.1f}% "
               f"of the matmul roof by its weight matmuls; device memory in use {p['device_used_bytes'] / gb:.1f} GB")
