@@ -11,7 +11,10 @@ kernels; the replay's warm-up keeps that out of its times.
 
 ``--tests FILE ...`` first runs those test files (``pytest``, GPU and host tests alike) with each version; a version
 whose tests fail is left out of the timings, with the tests' last lines printed. ``--alone`` also times each
-version's weight kernels alone (``decode_gemvs.py``), a column a version, before the replays.
+version's weight kernels alone (``decode_gemvs.py``), a column a version, before the replays. ``--profile`` also
+traces decode steps of the smaller file with each version (``profile_step.py``, the environment's
+``DS4_CUDA_PDL`` as given: ``DS4_CUDA_PDL=0`` for each kernel's own time) and prints each kernel's µs a step, a column
+a version: where a change's time went.
 
 ``export REF DIR`` writes the backend's and the model plugin's files (its code, not its shipped data) at git revision
 REF into DIR, run where the repository's history is (the device machine gets the working tree without it): ``python
@@ -20,7 +23,7 @@ in ``.git/info/exclude``, travels to the device when named in its carry), then t
 installed, ``python benchmarks/side_by_side.py /tmp/f12.gguf /tmp/f4.gguf .ab/main``.
 
 Usage: python benchmarks/side_by_side.py FILE FILE VERSION [VERSION ...] [--replays 100] [--rounds 2]
-       [--alternations 2] [--prompt-tokens 2048] [--tests FILE ...] [--alone]
+       [--alternations 2] [--prompt-tokens 2048] [--tests FILE ...] [--alone] [--profile]
        python benchmarks/side_by_side.py export REF DIR
 (the first needs a GPU with the CUDA backend; export needs git.)
 """
@@ -43,6 +46,7 @@ PACKAGE = "plugins/backends/cuda/ds4_backend_cuda"
 MODEL_PACKAGE = "plugins/models/deepseek4/ds4_model_deepseek4"
 MODEL = Path(MODEL_PACKAGE).name
 ALONE = Path(__file__).with_name("decode_gemvs.py")
+PROFILE = Path(__file__).with_name("profile_step.py")
 
 
 #: What a version leaves out of the model plugin: its shipped data (the tiny models, megabytes that a replay never
@@ -96,12 +100,26 @@ def kernel_times(output: str) -> dict[str, float]:
     return {m[1].strip(): float(m[2]) for m in re.finditer(r"^(\S.*?)\s+([0-9.]+) us\b", output, re.MULTILINE)}
 
 
-def alone_table(labels: list[str], times: list[dict[str, float]]) -> str:
+def step_times(output: str) -> dict[str, float]:
+    """``profile_step.py``'s table of kernels by name (the rows ``us/step  per step  mean us  KERNEL`` below its
+    header) as {kernel: µs a step}, the kernel named up to its argument list."""
+    times: dict[str, float] = {}
+    lines = output.splitlines()
+    header = next((i for i, line in enumerate(lines) if line.split()[:3] == ["us/step", "per", "step"]), len(lines))
+    for line in lines[header + 1:]:
+        row = re.fullmatch(r"\s*([0-9.]+)\s+[0-9.]+\s+[0-9.]+  (\S.*)", line)
+        if not row:
+            break
+        times[row[2].split("(", 1)[0].strip()] = float(row[1])
+    return times
+
+
+def alone_table(labels: list[str], times: list[dict[str, float]], title: str = "kernel alone, µs") -> str:
     """One row a kernel (in the order the versions first report them), one column of µs a version; '-' where a
     version lacks it."""
     names = list(dict.fromkeys(name for t in times for name in t))
-    width = max(map(len, names), default=6)
-    lines = [f"{'kernel alone, µs':{width}s} " + " ".join(f"{label[-12:]:>12s}" for label in labels)]
+    width = max(len(title), *map(len, names))
+    lines = [f"{title:{width}s} " + " ".join(f"{label[-12:]:>12s}" for label in labels)]
     for name in names:
         lines.append(f"{name:{width}s} " + " ".join(f"{t[name]:12.2f}" if name in t else f"{'-':>12s}"
                                                      for t in times))
@@ -132,6 +150,8 @@ def main() -> None:
     parser.add_argument("--tests", nargs="+", default=[], metavar="FILE",
                         help="test files each version must pass before it is timed")
     parser.add_argument("--alone", action="store_true", help="also time each version's weight kernels alone")
+    parser.add_argument("--profile", action="store_true",
+                        help="also trace the smaller file's steps with each version: each kernel's µs a step")
     args = parser.parse_args()
     big, small, span = by_layers(args.files)
     with tempfile.TemporaryDirectory() as tmp:
@@ -158,6 +178,15 @@ def main() -> None:
                     raise SystemExit(f"{ALONE.name} failed with {label}:\n{done.stdout}{done.stderr[-3000:]}")
                 times.append(kernel_times(done.stdout))
             print(alone_table([label for label, _ in roots], times), flush=True)
+        if args.profile:
+            times = []
+            for label, root in roots:
+                done = run_with(root, [sys.executable, str(PROFILE), str(small), "--prompt-tokens",
+                                       str(args.prompt_tokens), "--steps", "3", "--top", "60"])
+                if done.returncode:
+                    raise SystemExit(f"{PROFILE.name} failed with {label}:\n{done.stdout}{done.stderr[-3000:]}")
+                times.append(step_times(done.stdout))
+            print(alone_table([label for label, _ in roots], times, f"{small.name}: kernel, µs a step"), flush=True)
         print(f"{'version':40s} {big.name:>10s} {small.name:>10s} {'µs/layer':>9s}")
         for _ in range(args.alternations):
             for label, root in roots:

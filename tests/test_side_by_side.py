@@ -101,3 +101,25 @@ def test_kernel_times_reads_the_alone_report_and_the_table_lines_versions_up(sid
     assert table[0].split()[-2:] == ["installed", "version-name"]
     assert table[1].split()[-2:] == ["19.53", "18.80"]
     assert table[2].split()[-2:] == ["21.16", "-"]
+
+
+def test_step_times_reads_the_profile_table_and_the_table_lines_versions_up(side_by_side):
+    main = ("f4.gguf: decode at 2048 tokens, graph replay: True; 78 kernels per step, GPU busy 0.932 ms per step\n"
+            "  us/step per step  mean us  kernel\n"
+            "    372.1     18.0    20.67  void gemv_i8<Q8_0, 1>(unsigned char const*, long long, int, int\n"
+            "     33.2      5.0     6.65  void hc_expand_mix_norm<F16>(unsigned char const*, long long, int\n"
+            "     25.4      4.0     6.35  route_linear_topk\n"
+            "Session.feed + argmax: 1.025 ms per token (untraced); beyond the GPU's busy time: 0.093 ms\n"
+            " start us      us  gap us  kernel\n"
+            "      0.0    0.80    0.00  Memcpy HtoD (Pageable -> Device)\n")
+    times = side_by_side.step_times(main)
+    assert times == {"void gemv_i8<Q8_0, 1>": 372.1, "void hc_expand_mix_norm<F16>": 33.2, "route_linear_topk": 25.4}
+    assert side_by_side.step_times("no table here\n") == {}
+    variant = side_by_side.step_times("  us/step per step  mean us  kernel\n"
+                                      "     12.4      3.0     4.13  void hc_expand_streams<F16>(unsigned char\n"
+                                      "     20.1      4.0     5.03  route_linear_topk\n")
+    table = side_by_side.alone_table(["installed", "v"], [times, variant], "f4.gguf: kernel, µs a step")
+    lines = table.splitlines()
+    assert lines[0].startswith("f4.gguf: kernel, µs a step") and lines[0].split()[-2:] == ["installed", "v"]
+    assert lines[3].split()[-2:] == ["25.40", "20.10"]
+    assert lines[4].split()[-2:] == ["-", "12.40"]
