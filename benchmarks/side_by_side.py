@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 #: The backend package's directory in the repository, and the model plugin's, whose files a version holds under
@@ -114,9 +115,9 @@ def step_times(output: str) -> dict[str, float]:
     return times
 
 
-def alone_table(labels: list[str], times: list[dict[str, float]], title: str = "kernel alone, µs") -> str:
-    """One row a kernel (in the order the versions first report them), one column of µs a version; '-' where a
-    version lacks it."""
+def kernel_table(labels: list[str], times: list[dict[str, float]], title: str) -> str:
+    """One row a kernel (in the order the versions first report them), one column of µs a version under ``title``;
+    '-' where a version lacks it."""
     names = list(dict.fromkeys(name for t in times for name in t))
     width = max(len(title), *map(len, names))
     lines = [f"{title:{width}s} " + " ".join(f"{label[-12:]:>12s}" for label in labels)]
@@ -170,23 +171,20 @@ def main() -> None:
                     continue
                 print(f"# {version}: {done.stdout.strip().splitlines()[-1]}", flush=True)
             roots.append((str(version), root))
+        def table(script: Path, options: list[str], parse: Callable[[str], dict[str, float]], title: str) -> None:
+            times = []
+            for label, root in roots:
+                done = run_with(root, [sys.executable, str(script), *options])
+                if done.returncode:
+                    raise SystemExit(f"{script.name} failed with {label}:\n{done.stdout}{done.stderr[-3000:]}")
+                times.append(parse(done.stdout))
+            print(kernel_table([label for label, _ in roots], times, title), flush=True)
+
         if args.alone:
-            times = []
-            for label, root in roots:
-                done = run_with(root, [sys.executable, str(ALONE)])
-                if done.returncode:
-                    raise SystemExit(f"{ALONE.name} failed with {label}:\n{done.stdout}{done.stderr[-3000:]}")
-                times.append(kernel_times(done.stdout))
-            print(alone_table([label for label, _ in roots], times), flush=True)
+            table(ALONE, [], kernel_times, "kernel alone, µs")
         if args.profile:
-            times = []
-            for label, root in roots:
-                done = run_with(root, [sys.executable, str(PROFILE), str(small), "--prompt-tokens",
-                                       str(args.prompt_tokens), "--steps", "3", "--top", "60"])
-                if done.returncode:
-                    raise SystemExit(f"{PROFILE.name} failed with {label}:\n{done.stdout}{done.stderr[-3000:]}")
-                times.append(step_times(done.stdout))
-            print(alone_table([label for label, _ in roots], times, f"{small.name}: kernel, µs a step"), flush=True)
+            table(PROFILE, [str(small), "--prompt-tokens", str(args.prompt_tokens), "--steps", "3", "--top", "60"],
+                  step_times, f"{small.name}: kernel, µs a step")
         print(f"{'version':40s} {big.name:>10s} {small.name:>10s} {'µs/layer':>9s}")
         for _ in range(args.alternations):
             for label, root in roots:

@@ -97,7 +97,8 @@ def test_kernel_times_reads_the_alone_report_and_the_table_lines_versions_up(sid
     times = side_by_side.kernel_times(main)
     assert times == {"routed gate/up, handed": 19.53, "attn_output_a + _b, both handed": 21.16}
     variant = side_by_side.kernel_times("routed gate/up, handed  18.80 us  1381 GB/s  33% of copy\n")
-    table = side_by_side.alone_table(["installed", ".ab/a-long-version-name"], [times, variant]).splitlines()
+    table = side_by_side.kernel_table(["installed", ".ab/a-long-version-name"], [times, variant],
+                                      "kernel alone, µs").splitlines()
     assert table[0].split()[-2:] == ["installed", "version-name"]
     assert table[1].split()[-2:] == ["19.53", "18.80"]
     assert table[2].split()[-2:] == ["21.16", "-"]
@@ -118,7 +119,7 @@ def test_step_times_reads_the_profile_table_and_the_table_lines_versions_up(side
     variant = side_by_side.step_times("  us/step per step  mean us  kernel\n"
                                       "     12.4      3.0     4.13  void hc_expand_streams<F16>(unsigned char\n"
                                       "     20.1      4.0     5.03  route_linear_topk\n")
-    table = side_by_side.alone_table(["installed", "v"], [times, variant], "f4.gguf: kernel, µs a step")
+    table = side_by_side.kernel_table(["installed", "v"], [times, variant], "f4.gguf: kernel, µs a step")
     lines = table.splitlines()
     assert lines[0].startswith("f4.gguf: kernel, µs a step") and lines[0].split()[-2:] == ["installed", "v"]
     assert lines[3].split()[-2:] == ["25.40", "20.10"]
