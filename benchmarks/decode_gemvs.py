@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import cupy as cp
 import numpy as np
-from ds4_backend_cuda import ops
+from ds4_backend_cuda import gemv, ops
 from ds4_bench.synthetic_device import copy_bandwidth, device_blocks
 
 from ds4_core.backend import Weight
@@ -64,26 +64,26 @@ def main() -> None:
     gate, up = (Weight(n, "IQ2_XXS", (E, F, D), device_blocks("IQ2_XXS", E * F, D)) for n in ("gate", "up"))
     down = Weight("down", "Q2_K", (E, D, F), device_blocks("Q2_K", E * D, F))
     h_out, y_out = cp.empty((PAIRS, F), cp.float32), cp.empty((PAIRS, D), cp.float32)
-    act = cp.zeros(ops.act_bytes(D), cp.uint8)  # a handed-over activation (its values do not matter here)
+    act = cp.zeros(gemv.act_bytes(D), cp.uint8)  # a handed-over activation (its values do not matter here)
     for name, a in (("routed gate/up IQ2_XXS", None), ("routed gate/up, handed", act)):
-        gate_up = [call(*ops.moe_gate_up_launch(gate, up, s, x, PAIRS, 0.0, h_out, int8=True, act_in=a))
+        gate_up = [call(*gemv.moe_gate_up_launch(gate, up, s, x, PAIRS, 0.0, h_out, int8=True, act_in=a))
                    for s in expert_sets]
         report(name, graph_us(gate_up), 2 * PAIRS * gate.data.nbytes // E, roof)
-    h_act = cp.empty(ops.act_bytes(PAIRS * F), cp.uint8)
-    gate_up = [call(*ops.moe_gate_up_launch(gate, up, s, x, PAIRS, 0.0, h_out, int8=True, act_in=act, act_out=h_act))
+    h_act = cp.empty(gemv.act_bytes(PAIRS * F), cp.uint8)
+    gate_up = [call(*gemv.moe_gate_up_launch(gate, up, s, x, PAIRS, 0.0, h_out, int8=True, act_in=act, act_out=h_act))
                for s in expert_sets]
     report("routed gate/up, handed both", graph_us(gate_up), 2 * PAIRS * gate.data.nbytes // E, roof)
-    downs = [call(*ops.moe_gemv_launch(down, s, h, 1, y_out, int8=True)) for s in expert_sets]
+    downs = [call(*gemv.moe_gemv_launch(down, s, h, 1, y_out, int8=True)) for s in expert_sets]
     report("routed down Q2_K", graph_us(downs), PAIRS * down.data.nbytes // E, roof)
     weights, out = cp.full((1, PAIRS), 1 / PAIRS, cp.float32), cp.empty((1, D), cp.float32)
     for name, a in (("routed down summed", None), ("routed down summed, handed", h_act)):
-        downs = [call(*ops.moe_down_sum_launch(down, s, PAIRS, h, weights, out, act_in=a)) for s in expert_sets]
+        downs = [call(*gemv.moe_down_sum_launch(down, s, PAIRS, h, weights, out, act_in=a)) for s in expert_sets]
         report(name, graph_us(downs), PAIRS * down.data.nbytes // E, roof)
     del gate, up, down
     shared = [[Weight(n, "Q8_0", (1, F, D), device_blocks("Q8_0", F, D)) for n in ("gate", "up")] for _ in range(4)]
     h1 = cp.empty((1, F), cp.float32)
     for splits in (1, 2, 4):
-        launches = [call(*ops.moe_gate_up_launch(g, u, None, x, 1, 0.0, h1, int8=True, act_in=act, splits=splits))
+        launches = [call(*gemv.moe_gate_up_launch(g, u, None, x, 1, 0.0, h1, int8=True, act_in=act, splits=splits))
                     for g, u in shared]
         report(f"shared gate/up Q8_0, {splits} split", graph_us(launches), 2 * shared[0][0].data.nbytes, roof)
     del shared
@@ -91,12 +91,12 @@ def main() -> None:
         copies = [device_blocks("Q8_0", rows, cols) for _ in range(4)]
         xv = cp.asarray(rng.standard_normal(cols).astype(np.float32))
         yv = cp.empty((1, rows), cp.float32)
-        launches = [call(*ops.gemv_launch(m, "Q8_0", cols, xv, 1, yv, int8=True)) for m in copies]
+        launches = [call(*gemv.gemv_launch(m, "Q8_0", cols, xv, 1, yv, int8=True)) for m in copies]
         report(name, graph_us(launches), copies[0].nbytes, roof)
     latents = [device_blocks("Q8_0", 1536, D) for _ in range(8)]  # attn_q_a and attn_kv, 6.6 MB
     yl = cp.empty((1, 1536), cp.float32)
     for name, a in (("latents Q8_0", None), ("latents, handed", act)):
-        launches = [call(*ops.gemv_launch(m, "Q8_0", D, x, 1, yl, int8=True, act_in=a)) for m in latents]
+        launches = [call(*gemv.gemv_launch(m, "Q8_0", D, x, 1, yl, int8=True, act_in=a)) for m in latents]
         report(name, graph_us(launches), latents[0].nbytes, roof)
     output_projection(roof)
     f16_projections(x, roof)
@@ -110,13 +110,13 @@ def output_projection(roof: float) -> None:
     pairs = [(device_blocks("Q8_0", groups * rows, cols), device_blocks("Q8_0", D, groups * rows)) for _ in range(2)]
     x = cp.asarray(rng.standard_normal(groups * cols).astype(np.float32))
     low, y = cp.empty((1, groups * rows), cp.float32), cp.empty((1, D), cp.float32)
-    act, heads = cp.empty(ops.act_bytes(groups * rows), cp.uint8), cp.zeros(ops.act_bytes(groups * cols), cp.uint8)
+    act, heads = cp.empty(gemv.act_bytes(groups * rows), cp.uint8), cp.zeros(gemv.act_bytes(groups * cols), cp.uint8)
     nbytes = pairs[0][0].nbytes + pairs[0][1].nbytes
     for name, a_in, handed in (("attn_output_a + _b apart", None, None), ("attn_output_a + _b handed", None, act),
                                ("attn_output_a + _b, both handed", heads, act)):
         launches = [call(*launch) for a, b in pairs for launch in (
-            ops.gemv_launch(a, "Q8_0", cols, x, 1, low, groups * cols, rows, int8=True, act_in=a_in, act_out=handed),
-            ops.gemv_launch(b, "Q8_0", groups * rows, low, 1, y, int8=True, act_in=handed))]
+            gemv.gemv_launch(a, "Q8_0", cols, x, 1, low, groups * cols, rows, int8=True, act_in=a_in, act_out=handed),
+            gemv.gemv_launch(b, "Q8_0", groups * rows, low, 1, y, int8=True, act_in=handed))]
         report(name, 2 * graph_us(launches), nbytes, roof)
 
 
@@ -127,12 +127,12 @@ def f16_projections(x: cp.ndarray, roof: float) -> None:
     sets = [[device_blocks("F16", r, D) for r in rows] for _ in range(4)]
     y = cp.empty((1, sum(rows)), cp.float32)
     tables = [ops._segment_table(rows, tuple(m.data.ptr for m in mats)) for mats in sets]
-    launches = [call(*ops.gemv_launch(mats[0], "F16", D, x, 1, y, segments=(table, sum(rows))))
+    launches = [call(*gemv.gemv_launch(mats[0], "F16", D, x, 1, y, segments=(table, sum(rows))))
                 for mats, table in zip(sets, tables, strict=True)]
     report("compressors + indexer F16", graph_us(launches), sum(m.nbytes for m in sets[0]), roof)
     queries = [device_blocks("F16", 8192, 1024) for _ in range(4)]
     xq, yq = cp.asarray(rng.standard_normal((1, 1024)).astype(np.float32)), cp.empty((1, 8192), cp.float32)
-    launches = [call(*ops.gemv_launch(m, "F16", 1024, xq, 1, yq)) for m in queries]
+    launches = [call(*gemv.gemv_launch(m, "F16", 1024, xq, 1, yq)) for m in queries]
     report("indexer attn_q_b F16", graph_us(launches), queries[0].nbytes, roof)
 
 

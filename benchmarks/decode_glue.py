@@ -17,7 +17,7 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 from decode_gemvs import graph_us
-from ds4_backend_cuda import hc_ops, ops
+from ds4_backend_cuda import attention_ops, hc_ops, moe_ops
 from ds4_bench.synthetic_device import device_blocks
 
 from ds4_core.backend import Weight
@@ -48,10 +48,10 @@ def hyper_connection() -> None:
 
     print(f"hc_expand_mix_norm                   {graph_us([launch(*c) for c in copies]):6.2f} us", flush=True)
     for fn, *_ in copies:
-        ops.block_counts(fn)[...] = 1 << 20
+        moe_ops.block_counts(fn)[...] = 1 << 20
     print(f"  without its last block             {graph_us([launch(*c) for c in copies]):6.2f} us", flush=True)
     for fn, *_ in copies:
-        ops.block_counts(fn)[...] = 0
+        moe_ops.block_counts(fn)[...] = 0
 
 
 def attention() -> None:
@@ -60,7 +60,7 @@ def attention() -> None:
     for rows in (640, 128):
         queries = [normal(1, HEADS, HEAD_DIM) for _ in range(COPIES)]
         idx = cp.asarray(rng.choice(ROWS, (1, rows), replace=False).astype(np.int32))
-        launches = [lambda q=q, idx=idx: ops.sparse_attention(q, kv, idx, sinks, 0.05) for q in queries]
+        launches = [lambda q=q, idx=idx: attention_ops.sparse_attention(q, kv, idx, sinks, 0.05) for q in queries]
         print(f"attend_rows + attend_merge, {rows:3d} rows {graph_us(launches):6.2f} us", flush=True)
 
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import cupy as cp
 import numpy as np
+from ds4_backend_cuda import attention_ops
 from ds4_backend_cuda import deepseek4_ops as d4
-from ds4_backend_cuda import ops
 from ds4_model_deepseek4.ops import index_select as select_reference
 
 from ds4_core.ops import indexer_scores as scores_reference
@@ -53,13 +53,13 @@ def graph_us(fn: Callable[[], Any]) -> tuple[float, np.ndarray]:
 
 
 def pinned_scores(name: str, value: int, q: Any, keys: Any, head_weights: Any, scale: float) -> Any:
-    """``ops.indexer_scores`` with its dispatch constant ``name`` set to ``value``."""
-    kept = getattr(ops, name)
-    setattr(ops, name, value)
+    """``attention_ops.indexer_scores`` with its dispatch constant ``name`` set to ``value``."""
+    kept = getattr(attention_ops, name)
+    setattr(attention_ops, name, value)
     try:
-        return ops.indexer_scores(q, keys, head_weights, scale)
+        return attention_ops.indexer_scores(q, keys, head_weights, scale)
     finally:
-        setattr(ops, name, kept)
+        setattr(attention_ops, name, kept)
 
 
 def scores_table(rng: np.random.Generator) -> None:
@@ -68,7 +68,7 @@ def scores_table(rng: np.random.Generator) -> None:
         want = scores_reference(q, keys, hw, 0.1)
         dq, dk, dh = cp.asarray(q), cp.asarray(keys), cp.asarray(hw)
         line = f"indexer_scores R={R:6d}: keys {R * 512 / 4.5e6:5.2f} us at 4.5 TB/s"
-        paths = (("dispatched", ops.indexer_scores),
+        paths = (("dispatched", attention_ops.indexer_scores),
                  ("blocks of 32", functools.partial(pinned_scores, "_SPREAD_BLOCKS", 0)),  # no spread fits
                  ("two launches", functools.partial(pinned_scores, "_SCORE_HEADS", 0)))  # no one-launch kernel fits
         for name, fn in paths:

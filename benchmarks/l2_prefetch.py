@@ -17,7 +17,7 @@ from collections.abc import Callable
 import cupy as cp
 import numpy as np
 from decode_gemvs import call, graph_us
-from ds4_backend_cuda import ops
+from ds4_backend_cuda import gemv
 from ds4_bench.synthetic_device import copy_bandwidth, device_blocks
 
 PREFETCH = r'''
@@ -104,7 +104,7 @@ def main() -> None:
         nbytes = copies[0].nbytes
         xv = cp.asarray(rng.standard_normal(cols).astype(np.float32))
         yv = cp.empty((1, rows), cp.float32)
-        gemvs = [call(*ops.gemv_launch(m, "Q8_0", cols, xv, 1, yv, int8=True)) for m in copies]
+        gemvs = [call(*gemv.gemv_launch(m, "Q8_0", cols, xv, 1, yv, int8=True)) for m in copies]
         cold, warm = graph_us(gemvs), graph_us([gemvs[0]] * COPIES)
         print(f"{name} ({nbytes / 1e6:.1f} MB): cold {cold:.2f} us ({nbytes / cold / 1e3 / roof:.0%} of the copy "
               f"roof), weights in L2 {warm:.2f} us")

@@ -152,7 +152,7 @@ def test_qwen38_ops(cuda_backend, rng):
 
 @pytest.mark.parametrize("tokens", [1, 40])
 def test_moe_experts_with_widths_the_gemv_kernels_cannot_take(cuda_backend, rng, tokens):
-    from ds4_backend_cuda import ops
+    from ds4_backend_cuda import moe_ops
 
     E, inter, D, k = 6, 12, 24, 2  # Qwen3.8 tiny shapes: F16 rows of 12 values (24 bytes) for the down matrices
     g_ref, g = _pair(cuda_backend, "F16", (E, inter, D), rng)
@@ -161,7 +161,7 @@ def test_moe_experts_with_widths_the_gemv_kernels_cannot_take(cuda_backend, rng,
     x = _f32(rng, tokens, D)
     idx = np.stack([rng.permutation(E)[:k] for _ in range(tokens)]).astype(np.int32)
     weights = rng.uniform(0.1, 1.0, (tokens, k)).astype(np.float32)
-    got = ops.moe_experts(cuda_backend.asarray(x), g, u, d, cuda_backend.asarray(idx), cuda_backend.asarray(weights),
-                          0.0)
+    got = moe_ops.moe_experts(cuda_backend.asarray(x), g, u, d, cuda_backend.asarray(idx),
+                              cuda_backend.asarray(weights), 0.0)
     want = ref.moe_experts(x, g_ref, u_ref, d_ref, idx, weights, 0.0)
     np.testing.assert_allclose(cuda_backend.to_numpy(got), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())

@@ -90,7 +90,7 @@ def _check_rms(err: np.ndarray, predicted: float) -> None:
 @pytest.mark.parametrize("qtype", INT8_TYPES)
 @pytest.mark.parametrize("nrows, ncols", [(67, 1536), (9, 16384), (20000, 256)])
 def test_gemv_int8_within_the_rounding_bound(cuda_backend, qtype, nrows, ncols, rng):
-    from ds4_backend_cuda.ops import gemv_launch
+    from ds4_backend_cuda.gemv import gemv_launch
 
     w_ref, w, mins = _pair(cuda_backend, qtype, (nrows, ncols), rng)
     x = _activations(rng, 1, ncols)
@@ -105,9 +105,9 @@ def test_gemv_int8_within_the_rounding_bound(cuda_backend, qtype, nrows, ncols, 
 # several passes and some straddle the two groups.
 def test_linears_int8_over_several_matrices(cuda_backend, monkeypatch, rng):
     """The integer GEMV over rows that lie in three buffers (the last ends inside a warp's row group)."""
-    from ds4_backend_cuda import ops
+    from ds4_backend_cuda import numerics, ops
 
-    monkeypatch.setenv(ops.INT8_ENV, "1")
+    monkeypatch.setenv(numerics.INT8_ENV, "1")
     ncols = 1024
     pairs = [_pair(cuda_backend, "Q8_0", (r, ncols), rng) for r in (36, 64, 6)]
     x = _activations(rng, 1, ncols)
@@ -120,7 +120,7 @@ def test_linears_int8_over_several_matrices(cuda_backend, monkeypatch, rng):
 
 @pytest.mark.parametrize("groups, rows", [(4, 24), (12, 4), (2, 10000)])
 def test_grouped_gemv_int8(cuda_backend, groups, rows, rng):
-    from ds4_backend_cuda.ops import gemv_launch
+    from ds4_backend_cuda.gemv import gemv_launch
 
     ncols = 256
     w_ref, w, mins = _pair(cuda_backend, "Q8_0", (groups * rows, ncols), rng)
@@ -146,7 +146,7 @@ def _moe_case(backend, qtype: str, rng: np.random.Generator):
 
 @pytest.mark.parametrize("qtype", INT8_TYPES)
 def test_moe_gemv_int8(cuda_backend, qtype, rng):
-    from ds4_backend_cuda.ops import moe_gemv_launch
+    from ds4_backend_cuda.gemv import moe_gemv_launch
 
     w_ref, w, mins, x, idx, k = _moe_case(cuda_backend, qtype, rng)
     y = cuda_backend.xp.full((idx.size, w.shape[1]), np.nan, dtype=np.float32)
@@ -168,7 +168,7 @@ def _silu(g: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("qtype", INT8_TYPES)
 @pytest.mark.parametrize("limit", [0.0, 0.8])
 def test_moe_gate_up_int8(cuda_backend, qtype, limit, rng):
-    from ds4_backend_cuda.ops import moe_gate_up_launch
+    from ds4_backend_cuda.gemv import moe_gate_up_launch
 
     g_ref, g, g_mins, x, idx, k = _moe_case(cuda_backend, qtype, rng)
     u_ref, u, u_mins = _pair(cuda_backend, qtype, g.shape, rng)
@@ -198,7 +198,7 @@ def test_moe_gate_up_int8(cuda_backend, qtype, limit, rng):
 def test_gate_up_split_over_warps_sums_the_same_chunks(cuda_backend, qtype, rng):
     """A gate/up row group split over 2 or 4 warps (each a share of its 4 chunks, summed in a fixed order) gives the
     unsplit sums up to float32 rounding; the shared expert's one set of rows (a null idx) is split by default."""
-    from ds4_backend_cuda import ops
+    from ds4_backend_cuda import gemv
 
     (_, gate, _), (_, up, _) = (_pair(cuda_backend, qtype, (2, 40, 4096), rng) for _ in range(2))
     x = cuda_backend.asarray(_activations(rng, 1, 4096))
@@ -207,11 +207,11 @@ def test_gate_up_split_over_warps_sums_the_same_chunks(cuda_backend, qtype, rng)
     for splits in (1, 2, 4, None):
         for ids, pairs in ((idx, 3), (None, 1)):
             h = cuda_backend.xp.full((pairs, 40), np.nan, dtype=np.float32)
-            kernel, grid, block, args = ops.moe_gate_up_launch(gate, up, ids, x, pairs, 0.8, h, int8=True,
-                                                               splits=splits)
+            kernel, grid, block, args = gemv.moe_gate_up_launch(gate, up, ids, x, pairs, 0.8, h, int8=True,
+                                                                splits=splits)
             kernel(grid, block, args)
             out[splits, pairs] = cuda_backend.to_numpy(h)
-    assert ops._gate_up_splits(qtype, 40, 4096, 1) > 1
+    assert gemv._gate_up_splits(qtype, 40, 4096, 1) > 1
     for pairs in (3, 1):
         plain = out[1, pairs]
         assert np.isfinite(plain).all() and np.abs(plain).max() > 0
@@ -220,13 +220,13 @@ def test_gate_up_split_over_warps_sums_the_same_chunks(cuda_backend, qtype, rng)
     np.testing.assert_array_equal(out[4, 3][1], 0)
     h = cuda_backend.xp.empty((3, 40), dtype=np.float32)
     with pytest.raises(ValueError, match="split over 1, 2, 4"):
-        ops.moe_gate_up_launch(gate, up, idx, x, 3, 0.0, h, int8=True, splits=3)
+        gemv.moe_gate_up_launch(gate, up, idx, x, 3, 0.0, h, int8=True, splits=3)
 
 
 @pytest.mark.parametrize("int8", [False, True])
 def test_gate_up_without_ids_is_expert_zero(cuda_backend, int8, rng):
     """A null id array (the shared expert) is expert 0 for every pair: the same sums as explicit zero ids."""
-    from ds4_backend_cuda.ops import moe_gate_up_launch
+    from ds4_backend_cuda.gemv import moe_gate_up_launch
 
     _, gate, _ = _pair(cuda_backend, "Q8_0", (1, 40, 512), rng)
     _, up, _ = _pair(cuda_backend, "Q8_0", (1, 40, 512), rng)
@@ -243,7 +243,7 @@ def test_gate_up_without_ids_is_expert_zero(cuda_backend, int8, rng):
 
 def test_graph_replay_equals_eager(cuda_backend, rng):
     import cupy as cp
-    from ds4_backend_cuda.ops import gemv_launch, moe_gate_up_launch, moe_gemv_launch
+    from ds4_backend_cuda.gemv import gemv_launch, moe_gate_up_launch, moe_gemv_launch
 
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
@@ -275,22 +275,22 @@ def test_graph_replay_equals_eager(cuda_backend, rng):
 
 
 def test_environment_switch_selects_the_path(cuda_backend, monkeypatch, rng):
-    from ds4_backend_cuda import ops
+    from ds4_backend_cuda import gemv, numerics, ops
 
     _, w, _ = _pair(cuda_backend, "Q8_0", (32, 256), rng)
     x = cuda_backend.asarray(_activations(rng, 1, 256))
     results = {}
     for int8 in (False, True):
         y = cuda_backend.xp.empty((1, 32), dtype=np.float32)
-        kernel, grid, block, args = ops.gemv_launch(w.data, "Q8_0", 256, x, 1, y, int8=int8)
+        kernel, grid, block, args = gemv.gemv_launch(w.data, "Q8_0", 256, x, 1, y, int8=int8)
         kernel(grid, block, args)
         results[int8] = cuda_backend.to_numpy(y)
     assert not np.array_equal(results[False], results[True])
     for env, int8 in (("1", True), ("0", False), (None, True)):  # unset: int8 is the default
         if env is None:
-            monkeypatch.delenv(ops.INT8_ENV)
+            monkeypatch.delenv(numerics.INT8_ENV)
         else:
-            monkeypatch.setenv(ops.INT8_ENV, env)
+            monkeypatch.setenv(numerics.INT8_ENV, env)
         np.testing.assert_array_equal(cuda_backend.to_numpy(ops.linear(x, w)), results[int8])
 
 
@@ -300,9 +300,9 @@ def test_norm_linear_folds_the_rms_norm_into_the_int8_gemv(cuda_backend, monkeyp
     norm's scale rsqrt(mean(x²) + eps), the result is the int8 GEMV of x · norm within the rounding bound; two
     tokens take the composition (``rms_norm``, then ``linear``), bit for bit."""
     from ds4_backend_cuda import deepseek4_ops as cu
-    from ds4_backend_cuda import ops
+    from ds4_backend_cuda import numerics, ops
 
-    monkeypatch.setenv(ops.INT8_ENV, "1")
+    monkeypatch.setenv(numerics.INT8_ENV, "1")
     ncols = 1024
     w_ref, w, mins = _pair(cuda_backend, qtype, (300, ncols), rng)
     x = _activations(rng, 2, ncols)
@@ -324,15 +324,15 @@ def test_output_projection_hands_over_the_quantized_activation(cuda_backend, mon
     ``attn_output_b``'s reads it, which gives the two launches' result bit for bit (the codes are those the second
     GEMV would make); two tokens take the composition."""
     from ds4_backend_cuda import deepseek4_ops as cu
-    from ds4_backend_cuda import ops
+    from ds4_backend_cuda import gemv, numerics, ops
 
-    monkeypatch.setenv(ops.INT8_ENV, "1")
+    monkeypatch.setenv(numerics.INT8_ENV, "1")
     ncols = 256
     _, out_a, _ = _pair(cuda_backend, qtype, (groups * rows, ncols), rng)
     _, out_b, _ = _pair(cuda_backend, qtype, (96, groups * rows), rng)
-    assert ops.writes_activation(qtype, groups * rows, ncols)
+    assert gemv.writes_activation(qtype, groups * rows, ncols)
     if groups * rows > 4096:
-        assert int(ops.gemv_launch(out_a.data, qtype, ncols, None, 1, None, groups * ncols, rows)[3][8]) > 1
+        assert int(gemv.gemv_launch(out_a.data, qtype, ncols, None, 1, None, groups * ncols, rows)[3][8]) > 1
     o = cuda_backend.asarray(_activations(rng, 2, groups * ncols).reshape(2, 2 * groups, ncols // 2))
     for t in (slice(0, 1), slice(0, 2)):
         apart = ops.linear(ops.grouped_linear(o[t].reshape(t.stop, groups, ncols), out_a).reshape(t.stop, -1), out_b)
@@ -345,10 +345,10 @@ def test_attention_hands_its_output_over_quantized(cuda_backend, monkeypatch, qt
     """A decode step's attention output (``norm_rope_attention``'s merge) comes with its int8 activation, the codes
     and scales the GEMVs' own quantization makes; the grouped output projection reads it, bit for bit the result of
     the same values without it."""
+    from ds4_backend_cuda import attention_ops, gemv, numerics
     from ds4_backend_cuda import deepseek4_ops as cu
-    from ds4_backend_cuda import ops
 
-    monkeypatch.setenv(ops.INT8_ENV, "1")
+    monkeypatch.setenv(numerics.INT8_ENV, "1")
     xp, host = cuda_backend.asarray, cuda_backend.to_numpy
     H, d, half, N, groups = 8, 256, 32, 300, 2
     q = xp(rng.standard_normal((1, H, d), dtype=np.float32))
@@ -356,8 +356,8 @@ def test_attention_hands_its_output_over_quantized(cuda_backend, monkeypatch, qt
     idx = xp(rng.integers(-1, N, (1, 100)).astype(np.int32))
     sinks = _pair(cuda_backend, "F32", (H,), rng)[1]
     inv_freq = xp((10000.0 ** (-np.arange(half) / half)).astype(np.float32))
-    o = ops.norm_rope_attention(q, 1e-6, kv, idx, sinks, d ** -0.5, xp(np.array([1234], np.int32)), inv_freq)
-    assert isinstance(o, ops.Int8Rows) and ops.int8_of(o, H * d) is not None
+    o = attention_ops.norm_rope_attention(q, 1e-6, kv, idx, sinks, d ** -0.5, xp(np.array([1234], np.int32)), inv_freq)
+    assert isinstance(o, gemv.Int8Rows) and gemv.int8_of(o, H * d) is not None
     act, flat = host(o.int8), host(o).reshape(1, -1)
     codes, scales = _quantize(flat)
     np.testing.assert_array_equal(act[:H * d].view(np.int8), codes[0])
@@ -367,7 +367,7 @@ def test_attention_hands_its_output_over_quantized(cuda_backend, monkeypatch, qt
                                atol=1e-5)
     out_a = _pair(cuda_backend, qtype, (groups * 128, H * d // groups), rng)[1]
     out_b = _pair(cuda_backend, qtype, (96, groups * 128), rng)[1]
-    assert ops.writes_activation(qtype, groups * 128, H * d // groups)
+    assert gemv.writes_activation(qtype, groups * 128, H * d // groups)
     got = host(cu.output_projection(o, out_a, out_b, groups))
     np.testing.assert_array_equal(got, host(cu.output_projection(o.copy(), out_a, out_b, groups)))
     assert np.isfinite(got).all() and np.abs(got).max() > 0
@@ -375,28 +375,28 @@ def test_attention_hands_its_output_over_quantized(cuda_backend, monkeypatch, qt
 
 def test_quantized_activation_refusals(cuda_backend, monkeypatch, rng):
     """A GEMV that cannot hand over or take a quantized activation says so instead of writing or reading past it."""
-    from ds4_backend_cuda import ops
+    from ds4_backend_cuda import gemv, numerics
 
-    monkeypatch.setenv(ops.INT8_ENV, "1")
+    monkeypatch.setenv(numerics.INT8_ENV, "1")
     xp = cuda_backend.xp
     _, w, _ = _pair(cuda_backend, "Q8_0", (64, 1024), rng)
     x, y = xp.zeros((1, 1024), dtype=np.float32), xp.empty((1, 64), dtype=np.float32)
-    act = xp.empty(ops.act_bytes(1024), dtype=np.uint8)
+    act = xp.empty(gemv.act_bytes(1024), dtype=np.uint8)
     with pytest.raises(ValueError, match="without a norm"):
-        ops.gemv_launch(w.data, "Q8_0", 1024, x, 1, y, int8=True, act_in=act, norm=(xp.ones(1024, np.float32), 1e-6))
+        gemv.gemv_launch(w.data, "Q8_0", 1024, x, 1, y, int8=True, act_in=act, norm=(xp.ones(1024, np.float32), 1e-6))
     with pytest.raises(ValueError, match="as 1408 bytes; got 1407"):
-        ops.gemv_launch(w.data, "Q8_0", 1024, x, 1, y, int8=True, act_in=act[:-1])
-    assert ops.writes_activation("Q8_0", 64, 1024)
+        gemv.gemv_launch(w.data, "Q8_0", 1024, x, 1, y, int8=True, act_in=act[:-1])
+    assert gemv.writes_activation("Q8_0", 64, 1024)
     with pytest.raises(ValueError, match="cannot write its 64 rows as a quantized activation of 88 bytes"):
-        ops.gemv_launch(w.data, "Q8_0", 1024, x, 1, y, int8=True, act_out=act)
+        gemv.gemv_launch(w.data, "Q8_0", 1024, x, 1, y, int8=True, act_out=act)
     _, wide, _ = _pair(cuda_backend, "Q8_0", (64, 16384), rng)  # 16 chunks a row: its rows are split over warps
-    assert not ops.writes_activation("Q8_0", 64, 16384)
+    assert not gemv.writes_activation("Q8_0", 64, 16384)
     with pytest.raises(ValueError, match="cannot write its 64 rows"):
-        ops.gemv_launch(wide.data, "Q8_0", 16384, xp.zeros((1, 16384), np.float32), 1, y, int8=True,
-                        act_out=act[:ops.act_bytes(64)])
+        gemv.gemv_launch(wide.data, "Q8_0", 16384, xp.zeros((1, 16384), np.float32), 1, y, int8=True,
+                         act_out=act[:gemv.act_bytes(64)])
     with pytest.raises(ValueError, match="only the int8 GEMV of one token"):
-        ops.gemv_launch(w.data, "Q8_0", 1024, xp.zeros((2, 1024), np.float32), 2, xp.empty((2, 64), np.float32),
-                        act_in=act)
+        gemv.gemv_launch(w.data, "Q8_0", 1024, xp.zeros((2, 1024), np.float32), 2, xp.empty((2, 64), np.float32),
+                         act_in=act)
 
 
 @pytest.mark.parametrize("qtype", INT8_TYPES)
@@ -407,10 +407,10 @@ def test_hc_split_norm_hands_its_row_over_quantized(cuda_backend, monkeypatch, q
     and the shared expert's read in its place, bit for bit the results of the same row without it. A row derived
     from it, or made with int8 off, carries none."""
     from ds4_backend_cuda import deepseek4_ops as cu
+    from ds4_backend_cuda import gemv, moe_ops, numerics, ops
     from ds4_backend_cuda import hc_ops as hc
-    from ds4_backend_cuda import ops
 
-    monkeypatch.setenv(ops.INT8_ENV, "1")
+    monkeypatch.setenv(numerics.INT8_ENV, "1")
     xp, host = cuda_backend.asarray, cuda_backend.to_numpy
     n, D, E, F = 4, 1024, 4, 256
     S = xp(_activations(rng, n, D)[None])
@@ -426,7 +426,7 @@ def test_hc_split_norm_hands_its_row_over_quantized(cuda_backend, monkeypatch, q
     shared = [_pair(cuda_backend, qtype, shape, rng)[1] for shape in ((F, D), (F, D), (D, F))]
     idx, weights = xp(np.array([[3, 0, 2]], np.int32)), xp(np.array([[0.5, 0.3, 0.2]], np.float32))
     for row in (x, x2, x3):
-        assert isinstance(row, ops.Int8Rows) and ops.int8_of(row, D) is not None
+        assert isinstance(row, gemv.Int8Rows) and gemv.int8_of(row, D) is not None
         act = host(row.int8)
         q, d = _quantize(host(row))
         np.testing.assert_array_equal(act[:D].view(np.int8), q[0])
@@ -434,18 +434,18 @@ def test_hc_split_norm_hands_its_row_over_quantized(cuda_backend, monkeypatch, q
         halves = host(row).reshape(-1, 2, 16).astype(np.float64).sum(axis=-1)
         np.testing.assert_allclose(act[D:D + D // 4].view(np.float32).reshape(-1, 2), halves, rtol=1e-5, atol=1e-5)
         plain = row.copy()
-        assert ops.int8_of(plain, D) is None and ops.int8_of(row.reshape(1, D), D) is None
+        assert gemv.int8_of(plain, D) is None and gemv.int8_of(row.reshape(1, D), D) is None
         for got, want in (
                 ((ops.linear(row, shared[0]),), (ops.linear(plain, shared[0]),)),
                 (ops.linears(row, shared[:2]), ops.linears(plain, shared[:2])),
-                ((ops.moe_experts(row, gate, up, down, idx, weights, 0.0),),
-                 (ops.moe_experts(plain, gate, up, down, idx, weights, 0.0),)),
+                ((moe_ops.moe_experts(row, gate, up, down, idx, weights, 0.0),),
+                 (moe_ops.moe_experts(plain, gate, up, down, idx, weights, 0.0),)),
                 ((cu.shared_expert(row, *shared, 0.0),), (cu.shared_expert(plain, *shared, 0.0),))):
             for g, w in zip(got, want, strict=True):
                 np.testing.assert_array_equal(host(g), host(w))
                 assert np.isfinite(host(g)).all() and np.abs(host(g)).max() > 0
-    monkeypatch.setenv(ops.INT8_ENV, "0")
-    assert not isinstance(hc.hc_pre_norm(S, fn, sc, base, 20, 1e-6, 1e-6, norm)[0], ops.Int8Rows)
+    monkeypatch.setenv(numerics.INT8_ENV, "0")
+    assert not isinstance(hc.hc_pre_norm(S, fn, sc, base, 20, 1e-6, 1e-6, norm)[0], gemv.Int8Rows)
 
 
 @pytest.mark.parametrize("host", ["gemv", "gate/up", "none", "another stream"])
@@ -455,9 +455,9 @@ def test_a_recorded_steps_split_runs_in_the_next_int8_launch(cuda_backend, monke
     bit as the kernel makes them itself; with no such launch, or one on a stream not ordered after it, the split
     runs when the recording ends. The launch's own output is unchanged."""
     from ds4_backend_cuda import hc_ops as hc
-    from ds4_backend_cuda import ops, split_hosting
+    from ds4_backend_cuda import moe_ops, numerics, ops, split_hosting
 
-    monkeypatch.setenv(ops.INT8_ENV, "1")
+    monkeypatch.setenv(numerics.INT8_ENV, "1")
     xp, host_of = cuda_backend.asarray, cuda_backend.to_numpy
     n, D, E, F = 4, 1024, 4, 256
     S, y = xp(_activations(rng, n, D)[None]), xp(_activations(rng, 1, D))
@@ -471,7 +471,7 @@ def test_a_recorded_steps_split_runs_in_the_next_int8_launch(cuda_backend, monke
 
     def launch(x):
         if host == "gate/up":
-            return ops.moe_experts(x, gate, up, down, idx, weights, 0.0)
+            return moe_ops.moe_experts(x, gate, up, down, idx, weights, 0.0)
         if host == "another stream":
             other = cuda_backend.xp.cuda.Stream(non_blocking=True)
             other.wait_event(cuda_backend.xp.cuda.get_current_stream().record())
@@ -500,15 +500,15 @@ def test_a_recorded_steps_split_runs_in_the_next_int8_launch(cuda_backend, monke
 
 
 def test_gate_up_refuses_a_quantized_activation_of_the_wrong_size(cuda_backend, rng):
-    from ds4_backend_cuda import ops
+    from ds4_backend_cuda import gemv
 
     _, gate, _ = _pair(cuda_backend, "Q8_0", (1, 40, 512), rng)
     x, h = cuda_backend.xp.zeros((2, 512), np.float32), cuda_backend.xp.empty((2, 40), np.float32)
-    act = cuda_backend.xp.empty(ops.act_bytes(512), np.uint8)
+    act = cuda_backend.xp.empty(gemv.act_bytes(512), np.uint8)
     with pytest.raises(ValueError, match="one row of 704 bytes; got 704 bytes for 2 rows"):
-        ops.moe_gate_up_launch(gate, gate, None, x, 1, 0.0, h, int8=True, act_in=act)
+        gemv.moe_gate_up_launch(gate, gate, None, x, 1, 0.0, h, int8=True, act_in=act)
     with pytest.raises(ValueError, match="only the int8 kernels"):
-        ops.moe_gate_up_launch(gate, gate, None, x[:1], 1, 0.0, h[:1], int8=False, act_in=act)
+        gemv.moe_gate_up_launch(gate, gate, None, x[:1], 1, 0.0, h[:1], int8=False, act_in=act)
 
 
 def _routed_case(backend, qtype: str, rng: np.random.Generator, F: int = 256):
@@ -526,7 +526,7 @@ def test_down_sum_has_the_bits_of_the_pairs_rows_summed(cuda_backend, qtype, rng
     """The routed experts' down projections and their weighted sum in one launch give the bits of the per-pair
     GEMV's rows (``moe_gemv_i8``, checked against numpy above) summed by ``weighted_rows`` (``hc_collapse``); a
     negative id adds nothing."""
-    from ds4_backend_cuda import ops
+    from ds4_backend_cuda import gemv, ops
 
     xp, host = cuda_backend.xp, cuda_backend.to_numpy
     _, _, down, _, idx, weights = _routed_case(cuda_backend, qtype, rng)
@@ -534,11 +534,11 @@ def test_down_sum_has_the_bits_of_the_pairs_rows_summed(cuda_backend, qtype, rng
     h = xp.asarray(_activations(rng, T * k, down.shape[2]))
     flat, w = xp.asarray(idx.reshape(-1)), xp.asarray(weights)
     rows = xp.full((T * k, 70), np.nan, dtype=np.float32)
-    kernel, grid, block, args = ops.moe_gemv_launch(down, flat, h, 1, rows, int8=True)
+    kernel, grid, block, args = gemv.moe_gemv_launch(down, flat, h, 1, rows, int8=True)
     kernel(grid, block, args)
     want = host(ops.weighted_rows(w, rows.reshape(T, k, 70)))
     out = xp.full((T, 70), np.nan, dtype=np.float32)
-    kernel, grid, block, args = ops.moe_down_sum_launch(down, flat, k, h, w, out)
+    kernel, grid, block, args = gemv.moe_down_sum_launch(down, flat, k, h, w, out)
     kernel(grid, block, args)
     np.testing.assert_array_equal(host(out), want)
     assert np.isfinite(want).all() and np.abs(want).max() > 0
@@ -549,18 +549,18 @@ def test_gate_up_hands_its_output_to_the_summed_down_quantized(cuda_backend, mon
     """The routed gate/up of the 2-bit formats (a block's 32 rows one group) also writes its SwiGLU output in the
     int8 layout: the codes and scales the down's own quantization makes, which the summed down reads in their place
     with the same bits as from the float rows. ``moe_experts`` takes both launches."""
-    from ds4_backend_cuda import ops
+    from ds4_backend_cuda import gemv, moe_ops, numerics
 
-    monkeypatch.setenv(ops.INT8_ENV, "1")
+    monkeypatch.setenv(numerics.INT8_ENV, "1")
     xp, host = cuda_backend.xp, cuda_backend.to_numpy
     gate, up, down, x, idx, weights = _routed_case(cuda_backend, qtype, rng)
     T, k = idx.shape
     F = gate.shape[1]
-    assert ops.gate_up_writes_activation(qtype, F) and not ops.gate_up_writes_activation("Q8_0", F)
+    assert gemv.gate_up_writes_activation(qtype, F) and not gemv.gate_up_writes_activation("Q8_0", F)
     flat, w = xp.asarray(idx.reshape(-1)), xp.asarray(weights)
     h = xp.full((T * k, F), np.nan, dtype=np.float32)
-    act = xp.zeros(ops.act_bytes(h.size), dtype=np.uint8)
-    kernel, grid, block, args = ops.moe_gate_up_launch(gate, up, flat, x, k, 0.0, h, int8=True, act_out=act)
+    act = xp.zeros(gemv.act_bytes(h.size), dtype=np.uint8)
+    kernel, grid, block, args = gemv.moe_gate_up_launch(gate, up, flat, x, k, 0.0, h, int8=True, act_out=act)
     kernel(grid, block, args)
     n, got = h.size, host(act)
     q, d = _quantize(host(h).reshape(1, n))
@@ -571,39 +571,39 @@ def test_gate_up_hands_its_output_to_the_summed_down_quantized(cuda_backend, mon
     out = []
     for a in (act, None):
         y = xp.full((T, 70), np.nan, dtype=np.float32)
-        kernel, grid, block, args = ops.moe_down_sum_launch(down, flat, k, h, w, y, act_in=a)
+        kernel, grid, block, args = gemv.moe_down_sum_launch(down, flat, k, h, w, y, act_in=a)
         kernel(grid, block, args)
         out.append(host(y))
     np.testing.assert_array_equal(out[0], out[1])
-    np.testing.assert_array_equal(host(ops.moe_experts(x, gate, up, down, xp.asarray(idx), w, 0.0)), out[0])
+    np.testing.assert_array_equal(host(moe_ops.moe_experts(x, gate, up, down, xp.asarray(idx), w, 0.0)), out[0])
     assert np.isfinite(out[0]).all() and np.abs(out[0]).max() > 0
 
 
 def test_routed_handover_refusals(cuda_backend, monkeypatch, rng):
     """A gate/up that cannot write its output quantized, or a summed down given what it cannot take, says so."""
-    from ds4_backend_cuda import ops
+    from ds4_backend_cuda import gemv, numerics
 
-    monkeypatch.setenv(ops.INT8_ENV, "1")
+    monkeypatch.setenv(numerics.INT8_ENV, "1")
     xp = cuda_backend.xp
     gate, up, down, x, idx, weights = _routed_case(cuda_backend, "Q8_0", rng, F=64)
     flat, w = xp.asarray(idx.reshape(-1)), xp.asarray(weights)
     h = xp.empty((6, 64), dtype=np.float32)
-    act = xp.empty(ops.act_bytes(h.size), dtype=np.uint8)
+    act = xp.empty(gemv.act_bytes(h.size), dtype=np.uint8)
     with pytest.raises(ValueError, match="cannot write its 384 values as a quantized activation of 528 bytes"):
-        ops.moe_gate_up_launch(gate, up, flat, x, 3, 0.0, h, int8=True, act_out=act)  # Q8_0: 16 rows a block
+        gemv.moe_gate_up_launch(gate, up, flat, x, 3, 0.0, h, int8=True, act_out=act)  # Q8_0: 16 rows a block
     gate2 = _pair(cuda_backend, "Q2_K", (4, 64, 512), rng)[1]
     with pytest.raises(ValueError, match="cannot write its 384 values"):
-        ops.moe_gate_up_launch(gate2, gate2, flat, x, 3, 0.0, h, int8=True, act_out=act[:-1])
+        gemv.moe_gate_up_launch(gate2, gate2, flat, x, 3, 0.0, h, int8=True, act_out=act[:-1])
     with pytest.raises(ValueError, match="only the int8 kernels"):
-        ops.moe_gate_up_launch(gate2, gate2, flat, x, 3, 0.0, h, int8=False, act_out=act)
+        gemv.moe_gate_up_launch(gate2, gate2, flat, x, 3, 0.0, h, int8=False, act_out=act)
     with pytest.raises(ValueError, match="splits its rows over warps cannot write"):
-        ops.moe_gate_up_launch(gate2, gate2, flat, x, 3, 0.0, h, int8=True, act_out=act, splits=2)
+        gemv.moe_gate_up_launch(gate2, gate2, flat, x, 3, 0.0, h, int8=True, act_out=act, splits=2)
     y = xp.empty((2, 70), dtype=np.float32)
     with pytest.raises(ValueError, match="is 528 bytes; got 527"):
-        ops.moe_down_sum_launch(down, flat, 3, h, w, y, act_in=act[:-1])
+        gemv.moe_down_sum_launch(down, flat, 3, h, w, y, act_in=act[:-1])
     many = xp.zeros(18, dtype=np.int32)
     with pytest.raises(ValueError, match="takes 1 to 8 experts a token on the int8 path, rows of its 64 columns; "
                                          "got 9 for 2 tokens"):
-        ops.moe_down_sum_launch(down, many, 9, xp.empty((18, 64), np.float32), xp.ones((2, 9), np.float32), y)
+        gemv.moe_down_sum_launch(down, many, 9, xp.empty((18, 64), np.float32), xp.ones((2, 9), np.float32), y)
     with pytest.raises(ValueError, match="got 3 for 2 tokens and 6 rows of 32"):
-        ops.moe_down_sum_launch(down, flat, 3, h[:, :32], w, y)
+        gemv.moe_down_sum_launch(down, flat, 3, h[:, :32], w, y)

@@ -92,7 +92,7 @@ def test_embed_and_grouped_linear(cuda_backend, rng):
                                                  ("F16", "BF16")])
 @pytest.mark.parametrize("tokens", [1, 3, 40])
 def test_moe_experts_reads_selected_experts(cuda_backend, gate_type, down_type, tokens, rng):
-    from ds4_backend_cuda import ops
+    from ds4_backend_cuda import moe_ops
 
     E, inter, D, k = 8, 256, 512, 3
     g_ref, g = _pair(cuda_backend, gate_type, (E, inter, D), rng)
@@ -102,8 +102,8 @@ def test_moe_experts_reads_selected_experts(cuda_backend, gate_type, down_type, 
     idx = np.stack([rng.permutation(E)[:k] for _ in range(tokens)]).astype(np.int32)
     weights = rng.uniform(0.1, 1.0, (tokens, k)).astype(np.float32)
     want = ref.moe_experts(x, g_ref, u_ref, d_ref, idx, weights, 0.8)
-    got = cuda_backend.to_numpy(ops.moe_experts(cuda_backend.asarray(x), g, u, d, cuda_backend.asarray(idx),
-                                                cuda_backend.asarray(weights), 0.8))
+    got = cuda_backend.to_numpy(moe_ops.moe_experts(cuda_backend.asarray(x), g, u, d, cuda_backend.asarray(idx),
+                                                    cuda_backend.asarray(weights), 0.8))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
@@ -162,7 +162,7 @@ def test_topk_on_larger_rows_and_k_beyond_the_row(cuda_backend, rng, rows, n, k)
 @pytest.mark.parametrize("with_sinks", [False, True])
 @pytest.mark.parametrize(("T", "K"), [(4, 6), (3, 300), (2, 700), (12, 6)])  # few-token kernels (K over tiles); arrays
 def test_sparse_attention_and_indexer(cuda_backend, with_sinks, T, K, rng):
-    from ds4_backend_cuda import ops
+    from ds4_backend_cuda import attention_ops
 
     H, d, N = 11, 40, 20  # heads over two blocks, channels over two warps' widths
     q = rng.standard_normal((T, H, d), dtype=np.float32)
@@ -171,10 +171,10 @@ def test_sparse_attention_and_indexer(cuda_backend, with_sinks, T, K, rng):
     idx[0] = -1  # a query that sees nothing
     sinks_ref, sinks = _pair(cuda_backend, "F32", (H,), rng) if with_sinks else (None, None)
     xp = cuda_backend.asarray
-    got = cuda_backend.to_numpy(ops.sparse_attention(xp(q), xp(kv), xp(idx), sinks, d ** -0.5))
+    got = cuda_backend.to_numpy(attention_ops.sparse_attention(xp(q), xp(kv), xp(idx), sinks, d ** -0.5))
     np.testing.assert_allclose(got, ref.sparse_attention(q, kv, idx, sinks_ref, d ** -0.5), rtol=1e-4, atol=1e-5)
     hw = rng.standard_normal((T, H), dtype=np.float32)
-    got = cuda_backend.to_numpy(ops.indexer_scores(xp(q), xp(kv), xp(hw), 0.3))
+    got = cuda_backend.to_numpy(attention_ops.indexer_scores(xp(q), xp(kv), xp(hw), 0.3))
     np.testing.assert_allclose(got, ref.indexer_scores(q, kv, hw, 0.3), rtol=1e-4, atol=1e-4)
 
 
@@ -189,15 +189,15 @@ def test_indexer_scores_at_indexer_shapes(cuda_backend, monkeypatch, tiles_only,
     blocks of 8 keys where they take a multiprocessor each at most (a decode step's 544 keys at 2K context), else of 32
     (3000, 20000 keys, or past 128 channels), and with blocks of 32 alone; past 64 heads, 8 query rows, or on rows of no
     whole float4s, the products go to the two-launch path."""
-    from ds4_backend_cuda import ops
+    from ds4_backend_cuda import attention_ops
 
     if tiles_only:
-        monkeypatch.setattr(ops, "_SPREAD_BLOCKS", 0)
+        monkeypatch.setattr(attention_ops, "_SPREAD_BLOCKS", 0)
     q = rng.standard_normal((T, H, D), dtype=np.float32)
     keys = rng.standard_normal((R, D), dtype=np.float32)
     hw = rng.standard_normal((T, H), dtype=np.float32)
     xp = cuda_backend.asarray
-    got = cuda_backend.to_numpy(ops.indexer_scores(xp(q), xp(keys), xp(hw), D ** -0.5))
+    got = cuda_backend.to_numpy(attention_ops.indexer_scores(xp(q), xp(keys), xp(hw), D ** -0.5))
     np.testing.assert_allclose(got, ref.indexer_scores(q, keys, hw, D ** -0.5), rtol=1e-4, atol=1e-4)
 
 
@@ -223,16 +223,16 @@ def test_linears_of_one_input(cuda_backend, qtypes, T, rng):
 def test_sparse_attention_at_decode_shapes(cuda_backend, T, K, d, rng):
     """Flash's 64 heads of 512 over a CSA layer's 640 rows (20 row tiles merged), a tile cut short, and heads too
     wide for the few-token kernels' shared memory or not a multiple of 4 wide (the prefill path takes them)."""
-    from ds4_backend_cuda import ops
+    from ds4_backend_cuda import attention_ops
 
     H, N = 64, 700
     q = rng.standard_normal((T, H, d), dtype=np.float32)
     kv = rng.standard_normal((N, d), dtype=np.float32)
     idx = rng.integers(-1, N, (T, K)).astype(np.int32)
-    idx[0, :ops._ATTEND_ROWS] = -1  # a tile of masked rows
+    idx[0, :attention_ops._ATTEND_ROWS] = -1  # a tile of masked rows
     sinks_ref, sinks = _pair(cuda_backend, "F32", (H,), rng)
     xp = cuda_backend.asarray
-    got = cuda_backend.to_numpy(ops.sparse_attention(xp(q), xp(kv), xp(idx), sinks, d ** -0.5))
+    got = cuda_backend.to_numpy(attention_ops.sparse_attention(xp(q), xp(kv), xp(idx), sinks, d ** -0.5))
     np.testing.assert_allclose(got, ref.sparse_attention(q, kv, idx, sinks_ref, d ** -0.5), rtol=1e-4, atol=1e-5)
 
 
@@ -249,11 +249,11 @@ def test_norm_rope_window_attention(cuda_backend, T, n_prev, n_comp, passes, fp1
     of 64 queries, cuBLAS, window_softmax), the output rotated back and through the grouped projection, against the
     numpy reference, which lists each query's rows: at float32 tolerance, or fp16's (the 16-bit prefill's operands,
     10-bit mantissas)."""
-    from ds4_backend_cuda import ops
+    from ds4_backend_cuda import attention_ops
     from ds4_model_deepseek4 import ops as dref
 
     if passes:
-        monkeypatch.setattr(ops, "ATTEND_TOKENS", 64)
+        monkeypatch.setattr(attention_ops, "ATTEND_TOKENS", 64)
     if fp16:
         monkeypatch.setenv("DS4_CUDA_PREFILL", "16")
     H, W, eps, G = 5, 16, 1e-6, 2
@@ -266,7 +266,7 @@ def test_norm_rope_window_attention(cuda_backend, T, n_prev, n_comp, passes, fp1
     pos = (n_prev + np.arange(T)).astype(np.int32)
     inv_freq = (10000.0 ** -(np.arange(8) / 8)).astype(np.float32)  # the last 16 channels rotate
     xp = cuda_backend.asarray
-    got = cuda_backend.to_numpy(ops.norm_rope_window_attention(
+    got = cuda_backend.to_numpy(attention_ops.norm_rope_window_attention(
         xp(q), eps, xp(kv), first, W, comp_start, None if limit is None else xp(limit), sinks, d ** -0.5, xp(pos),
         xp(inv_freq), out_a, G))
     want = dref.norm_rope_window_attention(q, eps, kv, first, W, comp_start, limit, sinks_ref, d ** -0.5, pos,
@@ -298,27 +298,27 @@ def test_norm_rope_attention(cuda_backend, T, K, d, half, rng):
     """The queries' RMSNorm and RoPE in the rows launch and the inverse RoPE in the merge launch (Flash's 64 heads of
     512, 64 rotated channels, at positions up to 40K) against the three ops one after the other, and the numpy
     reference; the shapes the few-token kernels do not take go through the ops."""
-    from ds4_backend_cuda import ops
+    from ds4_backend_cuda import attention_ops, ops
     from ds4_model_deepseek4 import ops as dref
 
     q, kv, idx, (sinks_ref, sinks), pos, inv_freq = _rotated_attention(cuda_backend, rng, T, K, d, half)
     xp, host = cuda_backend.asarray, cuda_backend.to_numpy
-    got = host(ops.norm_rope_attention(xp(q), 1e-6, xp(kv), xp(idx), sinks, d ** -0.5, xp(pos), xp(inv_freq)))
+    got = host(attention_ops.norm_rope_attention(xp(q), 1e-6, xp(kv), xp(idx), sinks, d ** -0.5, xp(pos), xp(inv_freq)))
     rotated = ops.norm_rope(xp(q), None, 1e-6, xp(pos), xp(inv_freq))
-    plain = host(ops.sparse_attention(rotated, xp(kv), xp(idx), sinks, d ** -0.5))
+    plain = host(attention_ops.sparse_attention(rotated, xp(kv), xp(idx), sinks, d ** -0.5))
     apart = host(ops.rope(xp(plain), xp(pos), xp(inv_freq), inverse=True))
     np.testing.assert_allclose(got, apart, rtol=1e-5, atol=1e-6)
     want = dref.norm_rope_attention(q, 1e-6, kv, idx, sinks_ref, d ** -0.5, pos, inv_freq)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     assert not np.allclose(got[..., -2 * half:], plain[..., -2 * half:])  # the output's rotation happened
-    unrotated = host(ops.sparse_attention(ops.rms_norm(xp(q), None, 1e-6), xp(kv), xp(idx), sinks, d ** -0.5))
+    unrotated = host(attention_ops.sparse_attention(ops.rms_norm(xp(q), None, 1e-6), xp(kv), xp(idx), sinks, d ** -0.5))
     assert not np.allclose(plain, unrotated, rtol=1e-3)  # and the queries'
 
 
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_sparse_attention_in_token_passes(cuda_backend, with_sinks, rng, monkeypatch):
     """Prefill attention taken ATTEND_TOKENS queries at a time equals one pass and the oracle."""
-    from ds4_backend_cuda import ops
+    from ds4_backend_cuda import attention_ops
 
     T, K, H, d, N = 23, 37, 5, 48, 30
     q = rng.standard_normal((T, H, d), dtype=np.float32)
@@ -327,9 +327,9 @@ def test_sparse_attention_in_token_passes(cuda_backend, with_sinks, rng, monkeyp
     idx[7] = -1
     sinks_ref, sinks = _pair(cuda_backend, "F32", (H,), rng) if with_sinks else (None, None)
     xp = cuda_backend.asarray
-    whole = cuda_backend.to_numpy(ops.sparse_attention(xp(q), xp(kv), xp(idx), sinks, d ** -0.5))
-    monkeypatch.setattr(ops, "ATTEND_TOKENS", 10)  # passes of 10, 10 and 3 queries
-    got = cuda_backend.to_numpy(ops.sparse_attention(xp(q), xp(kv), xp(idx), sinks, d ** -0.5))
+    whole = cuda_backend.to_numpy(attention_ops.sparse_attention(xp(q), xp(kv), xp(idx), sinks, d ** -0.5))
+    monkeypatch.setattr(attention_ops, "ATTEND_TOKENS", 10)  # passes of 10, 10 and 3 queries
+    got = cuda_backend.to_numpy(attention_ops.sparse_attention(xp(q), xp(kv), xp(idx), sinks, d ** -0.5))
     np.testing.assert_allclose(got, whole, rtol=1e-5, atol=1e-6)  # cuBLAS may pick another order per batch size
     np.testing.assert_allclose(got, ref.sparse_attention(q, kv, idx, sinks_ref, d ** -0.5), rtol=1e-4, atol=1e-5)
 
@@ -340,7 +340,7 @@ def test_indexer_scores_of_a_prefill_on_tensor_cores(cuda_backend, monkeypatch, 
     """A prefill's indexer scores in one tensor-core launch (``index_scores16``): Flash's 64 heads of 128 and GLM 5's
     32, tokens that leave a block's last warps without one, keys that fill no, one or many tiles; fp16 operands, so
     within fp16's rounding of the float32 oracle, and the float32 prefill (``DS4_CUDA_PREFILL=32``) within float32's."""
-    from ds4_backend_cuda import ops
+    from ds4_backend_cuda import attention_ops
 
     monkeypatch.setenv("DS4_CUDA_PREFILL", "16")  # the suite defaults to the float32 prefill
 
@@ -349,14 +349,14 @@ def test_indexer_scores_of_a_prefill_on_tensor_cores(cuda_backend, monkeypatch, 
     hw = rng.standard_normal((T, H), dtype=np.float32)
     want = ref.indexer_scores(q, keys, hw, D ** -0.5)
     xp = cuda_backend.asarray
-    got = cuda_backend.to_numpy(ops.indexer_scores(xp(q), xp(keys), xp(hw), D ** -0.5))
+    got = cuda_backend.to_numpy(attention_ops.indexer_scores(xp(q), xp(keys), xp(hw), D ** -0.5))
     np.testing.assert_allclose(got, want, rtol=1e-2, atol=2e-2 * np.abs(want).max())
     assert np.linalg.norm(got - want) <= 3e-3 * np.linalg.norm(want)
     monkeypatch.setenv("DS4_CUDA_PREFILL", "32")
-    got = cuda_backend.to_numpy(ops.indexer_scores(xp(q), xp(keys), xp(hw), D ** -0.5))
+    got = cuda_backend.to_numpy(attention_ops.indexer_scores(xp(q), xp(keys), xp(hw), D ** -0.5))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-    monkeypatch.setattr(ops, "DEQUANT_CHUNK", 3 * H * R)  # the float32 path's products three tokens at a time
-    sliced = cuda_backend.to_numpy(ops.indexer_scores(xp(q), xp(keys), xp(hw), D ** -0.5))
+    monkeypatch.setattr(attention_ops, "DEQUANT_CHUNK", 3 * H * R)  # the float32 path's products three tokens at a time
+    sliced = cuda_backend.to_numpy(attention_ops.indexer_scores(xp(q), xp(keys), xp(hw), D ** -0.5))
     np.testing.assert_allclose(sliced, want, rtol=1e-4, atol=1e-4)  # cuBLAS may sum another way for 3 tokens
 
 
@@ -369,7 +369,7 @@ def test_sparse_attention_of_a_prefill_on_tensor_cores(cuda_backend, monkeypatch
     masked rows, a query that sees nothing (zeros with a sink, NaN without, as the oracle) and one whose rows are
     all masked but the last tile's; fp16 operands, so within fp16's rounding of the float32 oracle, and the float32
     prefill within float32's."""
-    from ds4_backend_cuda import ops
+    from ds4_backend_cuda import attention_ops
 
     monkeypatch.setenv("DS4_CUDA_PREFILL", "16")  # the suite defaults to the float32 prefill
 
@@ -383,13 +383,13 @@ def test_sparse_attention_of_a_prefill_on_tensor_cores(cuda_backend, monkeypatch
     sinks_ref, sinks = _pair(cuda_backend, "F32", (H,), rng) if with_sinks else (None, None)
     want = ref.sparse_attention(q, kv, idx, sinks_ref, d ** -0.5)
     xp = cuda_backend.asarray
-    got = cuda_backend.to_numpy(ops.sparse_attention(xp(q), xp(kv), xp(idx), sinks, d ** -0.5))
+    got = cuda_backend.to_numpy(attention_ops.sparse_attention(xp(q), xp(kv), xp(idx), sinks, d ** -0.5))
     assert np.isnan(got[1]).all() != with_sinks
     np.testing.assert_allclose(got, want, rtol=1e-2, atol=3e-3)
     seen = ~np.isnan(want)
     assert np.linalg.norm(got[seen] - want[seen]) <= 3e-3 * np.linalg.norm(want[seen])
     monkeypatch.setenv("DS4_CUDA_PREFILL", "32")
-    got = cuda_backend.to_numpy(ops.sparse_attention(xp(q), xp(kv), xp(idx), sinks, d ** -0.5))
+    got = cuda_backend.to_numpy(attention_ops.sparse_attention(xp(q), xp(kv), xp(idx), sinks, d ** -0.5))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
@@ -397,7 +397,7 @@ def test_norm_rope_attention_of_a_prefill_on_tensor_cores(cuda_backend, monkeypa
     """A prefill's queries normed and rotated straight into fp16 for ``attend16``, its output rotated back: Flash's
     64 heads of 512 with 64 rotated channels, within fp16's rounding of the numpy reference; the float32 prefill
     within float32's."""
-    from ds4_backend_cuda import ops
+    from ds4_backend_cuda import attention_ops
     from ds4_model_deepseek4 import ops as dref
 
     monkeypatch.setenv("DS4_CUDA_PREFILL", "16")  # the suite defaults to the float32 prefill
@@ -408,7 +408,8 @@ def test_norm_rope_attention_of_a_prefill_on_tensor_cores(cuda_backend, monkeypa
     xp, host = cuda_backend.asarray, cuda_backend.to_numpy
 
     def got():
-        return host(ops.norm_rope_attention(xp(q), 1e-6, xp(kv), xp(idx), sinks, d ** -0.5, xp(pos), xp(inv_freq)))
+        return host(attention_ops.norm_rope_attention(xp(q), 1e-6, xp(kv), xp(idx), sinks, d ** -0.5, xp(pos),
+                                                      xp(inv_freq)))
 
     np.testing.assert_allclose(got(), want, rtol=1e-2, atol=3e-3)
     assert np.linalg.norm(got() - want) <= 3e-3 * np.linalg.norm(want)
@@ -423,7 +424,7 @@ def test_norm_rope_attention_of_a_prefill_on_tensor_cores(cuda_backend, monkeypa
 def test_moe_route(cuda_backend, rng, T, E, k, ties):
     """Flash's 256 experts, a count that is not a whole number of warps, and ties (rounded logits, no bias): some,
     or logits of five values, so that equal choices lie in every warp and the lower index must win across warps."""
-    from ds4_backend_cuda import ops
+    from ds4_backend_cuda import moe_ops
 
     logits = rng.standard_normal((T, E), dtype=np.float32) * 4
     if ties == "some":
@@ -434,7 +435,7 @@ def test_moe_route(cuda_backend, rng, T, E, k, ties):
     xp = cuda_backend.asarray
     cases = ((bias_ref, bias, None), (None, None, None), (None, None, rng.integers(0, E, (T, k)).astype(np.int32)))
     for b_ref, b, fixed in cases:
-        idx, w = ops.moe_route(xp(logits), b, k, 1.5, None if fixed is None else xp(fixed))
+        idx, w = moe_ops.moe_route(xp(logits), b, k, 1.5, None if fixed is None else xp(fixed))
         want_idx, want_w = ref.moe_route(logits, b_ref, k, 1.5, fixed)
         np.testing.assert_array_equal(cuda_backend.to_numpy(idx), want_idx)
         np.testing.assert_allclose(cuda_backend.to_numpy(w), want_w, rtol=1e-5)
@@ -449,7 +450,7 @@ def test_moe_gate_route(cuda_backend, rng, T, E, D, k, qtype):
     then moe_route and the numpy reference; three launches in a row, so the blocks' counts are back at 0 after each.
     Then a hash layer's experts (given ids, repeats among them, no bias) weighed in the same launch, and read from its
     table by token id in the launch."""
-    from ds4_backend_cuda import ops
+    from ds4_backend_cuda import moe_ops, ops
     from ds4_model_deepseek4 import ops as dref
 
     xp, host = cuda_backend.asarray, cuda_backend.to_numpy
@@ -457,8 +458,8 @@ def test_moe_gate_route(cuda_backend, rng, T, E, D, k, qtype):
     bias_ref, bias = _pair(cuda_backend, "F32", (E,), rng)
     for _ in range(3):
         x = rng.standard_normal((T, D), dtype=np.float32)
-        idx, w = map(host, ops.moe_gate_route(xp(x), gate, bias, k, 1.5))
-        apart_idx, apart_w = map(host, ops.moe_route(ops.linear(xp(x), gate), bias, k, 1.5))
+        idx, w = map(host, moe_ops.moe_gate_route(xp(x), gate, bias, k, 1.5))
+        apart_idx, apart_w = map(host, moe_ops.moe_route(ops.linear(xp(x), gate), bias, k, 1.5))
         np.testing.assert_array_equal(idx, apart_idx)  # random logits: no choice within the sums' rounding
         np.testing.assert_allclose(w, apart_w, rtol=1e-5)
         want_idx, want_w = dref.moe_gate_route(x, gate_ref, bias_ref, k, 1.5)
@@ -468,14 +469,14 @@ def test_moe_gate_route(cuda_backend, rng, T, E, D, k, qtype):
     fixed[0, -1] = fixed[0, 0]
     x = rng.standard_normal((T, D), dtype=np.float32)
     for _ in range(2):
-        idx, w = map(host, ops.moe_gate_route(xp(x), gate, None, k, 1.5, xp(fixed)))
+        idx, w = map(host, moe_ops.moe_gate_route(xp(x), gate, None, k, 1.5, xp(fixed)))
         np.testing.assert_array_equal(idx, fixed)
-        apart_w = host(ops.moe_route(ops.linear(xp(x), gate), None, k, 1.5, xp(fixed))[1])
+        apart_w = host(moe_ops.moe_route(ops.linear(xp(x), gate), None, k, 1.5, xp(fixed))[1])
         np.testing.assert_allclose(w, apart_w, rtol=1e-5)
         np.testing.assert_allclose(w, dref.moe_gate_route(x, gate_ref, None, k, 1.5, fixed)[1], rtol=1e-4)
     table = rng.integers(0, E, (9, k)).astype(np.int32)  # a hash layer's table, read by token id in the launch
     rows = rng.integers(0, 9, T).astype(np.int32)
-    idx, w = map(host, ops.moe_gate_route(xp(x), gate, None, k, 1.5, xp(table), xp(rows)))
+    idx, w = map(host, moe_ops.moe_gate_route(xp(x), gate, None, k, 1.5, xp(table), xp(rows)))
     np.testing.assert_array_equal(idx, table[rows])
     np.testing.assert_allclose(w, dref.moe_gate_route(x, gate_ref, None, k, 1.5, table, rows)[1], rtol=1e-4)
 

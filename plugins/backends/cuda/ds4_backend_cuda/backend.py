@@ -101,8 +101,8 @@ class CudaBackend(Backend):
                 "free": free, "total": total}
 
     def numerics(self) -> dict[str, str]:
-        """int8 decode activations and 16-bit prefill matmuls, or float32 ones (``ops.numerics``)."""
-        from .ops import numerics
+        """int8 decode activations and 16-bit prefill matmuls, or float32 ones (``numerics.numerics``)."""
+        from .numerics import numerics
 
         return numerics()
 

@@ -13,23 +13,10 @@ import numpy as np
 
 from ds4_core.backend import Weight
 
+from .gemv import act_bytes, gemv_launch, int8_of, moe_gate_up_launch, use_int8, writes_activation
 from .modules import glue_kernel
-from .ops import (
-    MAX_GRID_Y,
-    MOE_PAIR_LIMIT,
-    act_bytes,
-    gemv_launch,
-    grouped_linear,
-    int8_of,
-    linear,
-    linears,
-    moe_gate_up_launch,
-    rms_norm,
-    swiglu,
-    use_int8,
-    values,
-    writes_activation,
-)
+from .moe_ops import MOE_PAIR_LIMIT
+from .ops import MAX_GRID_Y, grouped_linear, linear, linears, rms_norm, swiglu, values
 
 F32 = cp.float32
 

@@ -8,7 +8,8 @@ import cupy as cp
 
 from ds4_core.backend import Weight
 
-from .ops import route_scores, route_topk, route_weights, topk, values
+from .moe_ops import route_scores, route_topk, route_weights
+from .ops import topk, values
 
 F32 = cp.float32
 

@@ -16,20 +16,11 @@ from ds4_core.backend import Weight
 from ds4_core.errors import BackendError
 
 from . import split_hosting
+from .gemv import ACT_GROUP, GEMV_TOKENS, Int8Rows, act_bytes
 from .modules import glue_kernel, quant_kernel
-from .ops import (
-    ACT_GROUP,
-    GEMV_TOKENS,
-    Int8Rows,
-    act_bytes,
-    block_counts,
-    int8_enabled,
-    linear,
-    rms_norm,
-    tensor_core_prefill,
-    values,
-    weighted_rows,
-)
+from .moe_ops import block_counts
+from .numerics import int8_enabled, tensor_core_prefill
+from .ops import linear, rms_norm, values, weighted_rows
 from .prefill import gemm_rows
 
 #: Most streams ``kernels/hc.cu`` takes (a token's n × n matrix fills at most two registers per lane of a warp).

@@ -11,8 +11,9 @@ DS4_PLUGIN_API = 1
 
 #: The core vocabulary on CUDA, by the module of this package that implements each op.
 CORE_KERNELS: dict[str, tuple[str, ...]] = {
-    "ops": ("embed", "linear", "grouped_linear", "rms_norm", "rope", "swiglu", "topk", "sparse_attention",
-            "indexer_scores", "moe_route", "moe_experts"),
+    "ops": ("embed", "linear", "grouped_linear", "rms_norm", "rope", "swiglu", "topk"),
+    "attention_ops": ("sparse_attention", "indexer_scores"),
+    "moe_ops": ("moe_route", "moe_experts"),
     "hc_ops": ("hc_pre", "hc_post", "hc_head", "softmax_pool"),
     "recurrent_ops": ("short_conv", "gated_delta_rule", "gated_delta_rule_chunked"),
 }
@@ -21,8 +22,9 @@ MODEL_KERNELS: dict[str, tuple[str, ...]] = {
     "deepseek4_ops": ("fp8_kv_round", "fp4_hadamard_round", "compress_step", "shared_expert", "index_select",
                       "norm_linear", "output_projection", "step_index"),
     # DeepSeek V4's, beside the core kernels they extend
-    "ops": ("linears", "norm_rope", "norm_rope_into", "norm_rope_attention", "moe_gate_route",
-            "norm_rope_window_attention"),
+    "ops": ("linears", "norm_rope", "norm_rope_into"),
+    "attention_ops": ("norm_rope_attention", "norm_rope_window_attention"),
+    "moe_ops": ("moe_gate_route",),
     "hc_ops": ("hc_pre_norm", "hc_post_pre_norm", "hc_post_head_norm"),
     "glm5_ops": ("layer_norm", "moe_route_sigmoid"),
     "qwen38_ops": ("rope_half", "hc_mix", "gqa_attention", "moe_route_softmax"),

@@ -484,7 +484,7 @@ def prefill_moe(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, i
                 swiglu_limit: float) -> Any:
     """``Σ_j weights[t, j] · Expert_{idx[t, j]}(x[t])`` for ``x [T, D]`` on tensor cores -> float32 ``[T, D]``.
 
-    Same semantics as :func:`ds4_backend_cuda.ops.moe_experts`: ``gate_exps``/``up_exps`` ``[E, I, D]``,
+    Same semantics as :func:`ds4_backend_cuda.moe_ops.moe_experts`: ``gate_exps``/``up_exps`` ``[E, I, D]``,
     ``down_exps`` ``[E, D, I]``, ``idx`` int ``[T, k]`` (negative ids contribute nothing), ``weights [T, k]``.
     ``D`` and ``I`` must be multiples of 8. Tokens go in passes of :data:`MOE_TOKENS_PER_PASS`; only experts whose
     gate and up differ in format read the per-expert counts to the host, once per pass.

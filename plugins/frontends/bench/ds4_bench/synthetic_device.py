@@ -87,7 +87,7 @@ class StepBuilder:
 
     def gemv(self, qtype: str, rows: int, ncols: int, groups: int = 1) -> None:
         """One launch of the backend's GEMV; ``groups > 1``: a block-diagonal projection (one x per group)."""
-        from ds4_backend_cuda.ops import gemv_launch
+        from ds4_backend_cuda.gemv import gemv_launch
 
         cp = self.cp
         w = device_blocks(qtype, groups * rows, ncols)
@@ -107,7 +107,7 @@ class StepBuilder:
                 quantized: bool = False) -> tuple[Any, Any]:
         """The fused routed gate/up/SwiGLU launch for the pairs ``idx`` against one token ``x [1, ncols]`` -> (its
         output, with ``quantized`` the output also written as the down projections' int8 activation, else None)."""
-        from ds4_backend_cuda.ops import act_bytes, moe_gate_up_launch
+        from ds4_backend_cuda.gemv import act_bytes, moe_gate_up_launch
 
         gate, up = (self._experts(qtype, experts, rows, ncols) for _ in range(2))
         pairs = idx.shape[0]
@@ -122,7 +122,7 @@ class StepBuilder:
         """The routed experts' down projections of one token's pairs ``idx`` (``h [pairs, ncols]``): with ``act``,
         its quantized form, their weighted sum in the same launch (``moe_down_sum_launch``), else one GEMV a
         pair."""
-        from ds4_backend_cuda.ops import moe_down_sum_launch, moe_gemv_launch
+        from ds4_backend_cuda.gemv import moe_down_sum_launch, moe_gemv_launch
 
         cp = self.cp
         w = self._experts(qtype, experts, rows, ncols)

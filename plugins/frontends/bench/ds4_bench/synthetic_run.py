@@ -26,8 +26,8 @@ _SWIGLU_LIMIT = 10.0
 
 def _sums(item: RoutedExperts) -> bool:
     """Whether a decode step hands the routed gate/up's output to one launch of the down projections and their sum,
-    as ``ds4_backend_cuda.ops.moe_experts`` does."""
-    from ds4_backend_cuda.ops import WARPS_PER_BLOCK, gate_up_writes_activation, use_int8
+    as ``ds4_backend_cuda.moe_ops.moe_experts`` does."""
+    from ds4_backend_cuda.gemv import WARPS_PER_BLOCK, gate_up_writes_activation, use_int8
 
     return (use_int8(None, item.down) and item.k <= WARPS_PER_BLOCK and item.down_cols == item.inter
             and gate_up_writes_activation(item.gate_up, item.inter))
@@ -193,7 +193,7 @@ def run_model(model: SyntheticModel, recipe: str = "q2", layers: int | None = No
     if layers is None:
         layers = fitting_layers(model, recipe, cp.cuda.runtime.memGetInfo()[0])
     layers = min(layers, model.layers)
-    from ds4_backend_cuda.ops import numerics
+    from ds4_backend_cuda.numerics import numerics
 
     results = {"device": props["name"].decode(), "hbm_copy_bytes_per_s": bandwidth, "matmul_flop_per_s": rate,
                "matmul_how": how, "numerics": numerics(),
