@@ -147,6 +147,7 @@ def _grid_selectors(grid: np.ndarray) -> np.ndarray:
     return ((x + (x & 0xC) * 63) * 0x22 + 0x1010).astype(np.uint16)
 
 
+@functools.cache
 def _kernel(qtype: str, name: str) -> Any:
     return _module(qtype).get_function(name)
 
@@ -252,6 +253,19 @@ def _gemm_nt(w16: Any, half: str, x16: Any, out: Any, m: int, n: int, k: int, ld
 _COMPUTE_32F_TF32 = 77  # CUBLAS_COMPUTE_32F_FAST_TF32: float32 data, tensor cores with 10-bit mantissas
 
 
+@functools.cache
+def _unit_scalars(device: int) -> Any:
+    """``alpha, beta`` pairs on ``device`` for GEMMs that read their scalars there: ``(1, 0)`` at element 0 (a
+    product) and ``(1, 1)`` at element 2 (a product added to C). Made once per device, not uploaded by each GEMM
+    (a prefill layer ran ~14 such copies)."""
+    return cp.asarray([1.0, 0.0, 1.0, 1.0], dtype=F32)
+
+
+def _one_zero(accumulate: bool = False) -> int:
+    """The device address of ``alpha = 1`` followed by ``beta`` (1 when ``accumulate``, else 0)."""
+    return _unit_scalars(cp.cuda.runtime.getDevice()).data.ptr + (8 if accumulate else 0)
+
+
 def per_token_products(a: Any, b: Any, transpose_b: bool, tf32: bool) -> Any:
     """Token by token on cuBLAS, reading both operands in place: ``a [T, I, J] @ b [T, J, n]`` -> ``[T, I, n]``, or
     with ``transpose_b`` ``a [T, I, n] @ b[t].T`` for ``b [T, J, n]`` -> ``[T, I, J]``. float32 (contiguous) in and
@@ -263,15 +277,15 @@ def per_token_products(a: Any, b: Any, transpose_b: bool, tf32: bool) -> Any:
     if out.size == 0:
         return out
     inner = a.shape[2]
-    one_zero = cp.asarray([1.0, 0.0], dtype=F32)
+    one_zero = _one_zero()
     handle = cp.cuda.device.get_cublas_handle()
     cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
     mode = cublas.getPointerMode(handle)
     cublas.setPointerMode(handle, _POINTER_MODE_DEVICE)
     try:  # column-major: out[t].T = op(b[t].T) @ a[t].T
         cublas.gemmStridedBatchedEx(handle, _OP_T if transpose_b else _OP_N, _OP_N, cols, m, inner,
-                                    one_zero.data.ptr, b.data.ptr, _CUDA_R_32F, n, J * n, a.data.ptr, _CUDA_R_32F,
-                                    inner, m * inner, one_zero.data.ptr + 4, out.data.ptr, _CUDA_R_32F, cols,
+                                    one_zero, b.data.ptr, _CUDA_R_32F, n, J * n, a.data.ptr, _CUDA_R_32F,
+                                    inner, m * inner, one_zero + 4, out.data.ptr, _CUDA_R_32F, cols,
                                     m * cols, T, _COMPUTE_32F_TF32 if tf32 else _COMPUTE_32F, _GEMM_DEFAULT)
     finally:
         cublas.setPointerMode(handle, mode)
@@ -368,7 +382,7 @@ def gemm_rows(a: int, lda: int, b: int, ldb: int, c: int, ldc: int, m: int, n: i
     ``accumulate``); ``ld*`` are row strides and ``strides`` the batch strides of A, B and C, in elements (0: every
     product reads the same matrix, and the matrices of different products may overlap). float32 operands, on tensor
     cores with TF32 inputs when ``tf32``; ``fp16``: fp16 operands. C is float32, accumulated in float32."""
-    scalars = cp.asarray([1.0, 1.0 if accumulate else 0.0], dtype=F32)
+    scalars = _one_zero(accumulate)
     handle = cp.cuda.device.get_cublas_handle()
     cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
     mode = cublas.getPointerMode(handle)
@@ -376,8 +390,8 @@ def gemm_rows(a: int, lda: int, b: int, ldb: int, c: int, ldc: int, m: int, n: i
     sa, sb, sc = strides
     operands = _CUDA_TYPE["f16"] if fp16 else _CUDA_R_32F
     try:  # column-major: C_i.T = op(B_i.T) @ A_i.T
-        cublas.gemmStridedBatchedEx(handle, _OP_T if transpose_b else _OP_N, _OP_N, n, m, k, scalars.data.ptr, b,
-                                    operands, ldb, sb, a, operands, lda, sa, scalars.data.ptr + 4, c, _CUDA_R_32F,
+        cublas.gemmStridedBatchedEx(handle, _OP_T if transpose_b else _OP_N, _OP_N, n, m, k, scalars, b,
+                                    operands, ldb, sb, a, operands, lda, sa, scalars + 4, c, _CUDA_R_32F,
                                     ldc, sc, batch, _COMPUTE_32F_TF32 if tf32 and not fp16 else _COMPUTE_32F,
                                     _GEMM_DEFAULT)
     finally:
