@@ -261,7 +261,7 @@ def _unit_scalars(device: int) -> Any:
     return cp.asarray([1.0, 0.0, 1.0, 1.0], dtype=F32)
 
 
-def _one_zero(accumulate: bool = False) -> int:
+def _alpha_beta(accumulate: bool = False) -> int:
     """The device address of ``alpha = 1`` followed by ``beta`` (1 when ``accumulate``, else 0)."""
     return _unit_scalars(cp.cuda.runtime.getDevice()).data.ptr + (8 if accumulate else 0)
 
@@ -277,7 +277,7 @@ def per_token_products(a: Any, b: Any, transpose_b: bool, tf32: bool) -> Any:
     if out.size == 0:
         return out
     inner = a.shape[2]
-    one_zero = _one_zero()
+    one_zero = _alpha_beta()
     handle = cp.cuda.device.get_cublas_handle()
     cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
     mode = cublas.getPointerMode(handle)
@@ -382,7 +382,7 @@ def gemm_rows(a: int, lda: int, b: int, ldb: int, c: int, ldc: int, m: int, n: i
     ``accumulate``); ``ld*`` are row strides and ``strides`` the batch strides of A, B and C, in elements (0: every
     product reads the same matrix, and the matrices of different products may overlap). float32 operands, on tensor
     cores with TF32 inputs when ``tf32``; ``fp16``: fp16 operands. C is float32, accumulated in float32."""
-    scalars = _one_zero(accumulate)
+    scalars = _alpha_beta(accumulate)
     handle = cp.cuda.device.get_cublas_handle()
     cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
     mode = cublas.getPointerMode(handle)
