@@ -4,7 +4,6 @@ instance line and name match that pick the kernel."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -38,11 +37,8 @@ SASS = """
 
 
 @pytest.fixture(scope="module")
-def sass_loops():
-    spec = importlib.util.spec_from_file_location("_sass_loops", ROOT / "benchmarks" / "sass_loops.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def sass_loops(load_script):
+    return load_script(ROOT / "benchmarks" / "sass_loops.py", "_sass_loops")
 
 
 def test_functions_hold_their_instructions_by_address(sass_loops):

@@ -3,7 +3,6 @@ files laid over a copy of the backend package, and the kernels-alone report read
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 from pathlib import Path
 
@@ -13,11 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def side_by_side():
-    spec = importlib.util.spec_from_file_location("_side_by_side", ROOT / "benchmarks" / "side_by_side.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def side_by_side(load_script):
+    return load_script(ROOT / "benchmarks" / "side_by_side.py", "_side_by_side")
 
 
 def _git(*args: str) -> str:

@@ -3,7 +3,6 @@ Engine; the full-size tensor plan against the published Q2 table; the vocabulary
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -35,12 +34,9 @@ TOY = dict(vocab_size=512, hidden_size=256, context_length=4096, num_heads=4, he
 TOY_LAYERS = 5  # sliding, sliding, CSA, HCA, CSA; the first three hash-routed
 
 
-def _published_flash_table():
+def _published_flash_table(load_script):
     """tests/deepseek4/test_info_flash.py's table of the published 43-layer Q2 file, written independently."""
-    path = Path(__file__).parents[1] / "deepseek4" / "test_info_flash.py"
-    spec = importlib.util.spec_from_file_location("_flash_table_oracle", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(Path(__file__).parents[1] / "deepseek4" / "test_info_flash.py", "_flash_table_oracle")
     return module.flash_tensors(), module.FLASH
 
 
@@ -105,8 +101,8 @@ def test_numpy_engine_loads_it_and_feeds_tokens_to_finite_logits(toy_path):
 
 
 @pytest.mark.parametrize("layers", [2, 4])
-def test_full_size_plan_is_the_published_table_cut_to_its_layers(layers):
-    table, flash = _published_flash_table()
+def test_full_size_plan_is_the_published_table_cut_to_its_layers(layers, load_script):
+    table, flash = _published_flash_table(load_script)
     assert flash == FLASH
     kept = [(n, s, q) for n, s, q in table if not n.startswith("blk.") or int(n.split(".")[1]) < layers]
     plan = tensor_plan(flash_config(layers), "q2")

@@ -8,7 +8,6 @@ training script saves it (``save_pretrained`` + ``mtp.safetensors``), converted 
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
 
@@ -39,19 +38,12 @@ CHUNKS = (1, 7, 3, 13, 2, 5, 9)
 RELATIVE_TOLERANCE = 1e-3
 
 
-def _mtp_module():
-    spec = importlib.util.spec_from_file_location("mtp_glm53", MTP_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, load_script):
     """(directory with config, model and mtp safetensors, torch model, its MtpHead, f32 GGUF path)."""
     directory = tmp_path_factory.mktemp("glm53-mtp")
     model = build_tiny_hf(directory / "model", seed=71)
-    mtp = _mtp_module().MtpHead(model).eval()
+    mtp = load_script(MTP_SCRIPT, "mtp_glm53").MtpHead(model).eval()
     rng = np.random.default_rng(72)
     shared = {id(p) for p in model.parameters()}
     with torch.no_grad():  # random, order-one weights so every term of the block matters (next_tiny's recipe)

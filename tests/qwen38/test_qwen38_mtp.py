@@ -8,7 +8,6 @@ training script saves it (``save_pretrained`` + ``mtp.safetensors``), converted 
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
 
@@ -36,13 +35,6 @@ CHUNKS = (1, 7, 3, 13, 2, 5, 9)
 RELATIVE_TOLERANCE = 1e-3
 
 
-def _mtp_module():
-    spec = importlib.util.spec_from_file_location("mtp_qwen38", MTP_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _random(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     """Order-one weights: zero-centred norms ``0.3·N(0, 1)`` (the converter's ``1 + w`` shift matters), matrices
     ``N(0, 1/fan-in)``."""
@@ -52,11 +44,11 @@ def _random(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.n
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, load_script):
     """(model directory with ``mtp.safetensors``, torch model, its MtpHead, f32 GGUF path)."""
     directory = tmp_path_factory.mktemp("qwen38-mtp")
     model = build_tiny_hf(directory / "model", seed=81)
-    mtp = _mtp_module().MtpHead(model).eval()
+    mtp = load_script(MTP_SCRIPT, "mtp_qwen38").MtpHead(model).eval()
     rng = np.random.default_rng(82)
     shared = {id(p) for p in model.parameters()}
     with torch.no_grad():
