@@ -257,8 +257,10 @@ _COMPUTE_32F_TF32 = 77  # CUBLAS_COMPUTE_32F_FAST_TF32: float32 data, tensor cor
 def _unit_scalars(device: int) -> Any:
     """``alpha, beta`` pairs on ``device`` for GEMMs that read their scalars there: ``(1, 0)`` at element 0 (a
     product) and ``(1, 1)`` at element 2 (a product added to C). Made once per device, not uploaded by each GEMM
-    (a prefill layer ran ~14 such copies)."""
-    return cp.asarray([1.0, 0.0, 1.0, 1.0], dtype=F32)
+    (a prefill layer ran ~14 such copies). The copy is waited for: GEMMs on other streams read the array too."""
+    scalars = cp.asarray([1.0, 0.0, 1.0, 1.0], dtype=F32)
+    cp.cuda.get_current_stream().synchronize()
+    return scalars
 
 
 def _alpha_beta(accumulate: bool = False) -> int:
