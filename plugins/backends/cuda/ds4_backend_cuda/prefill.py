@@ -553,8 +553,7 @@ def _moe_grouped(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, 
     gu_half = half_of(gate_exps.qtype) if half_of(gate_exps.qtype) == half_of(up_exps.qtype) else "bf16"
     down_half = half_of(down_exps.qtype)
     x16, alpha_beta = to16(x, gu_half)
-    one_zero = cp.zeros(2, dtype=F32)
-    one_zero[0] = 1
+    one_zero = _unit_scalars(cp.cuda.runtime.getDevice())  # (1, 0) first
     experts = cp.asarray(active.astype(np.int32))
     seg_off = cp.asarray(starts[active].astype(np.int32))
     seg_cnt = cp.asarray(counts[active].astype(np.int32))
