@@ -10,13 +10,18 @@ the host runs ahead, so the stamps taken around each layer's method (``Block.lay
 the host's own times. A layer that ends after the spin's length would mean the host waited for the GPU inside the
 prefill (a synchronization), which a prefill should not do.
 
-Usage: python benchmarks/prefill_host.py FILE [--prompt-tokens 2048] [--rounds 3] [--spin-ms 400]
+With ``--profile N``, one more spin-held prefill runs under cProfile and the N functions with the most time of
+their own are printed: where the host's time to issue a prefill goes.
+
+Usage: python benchmarks/prefill_host.py FILE [--prompt-tokens 2048] [--rounds 3] [--spin-ms 400] [--profile N]
 (needs a GPU with the CUDA backend and the DeepSeek V4 plugin.)
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
 from pathlib import Path
 
@@ -50,6 +55,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--spin-ms", type=float, default=400.0, help="how long the spin kernel holds the GPU")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also profile one spin-held prefill: its N functions with most time")
     args = parser.parse_args()
     import cupy
     from ds4_model_deepseek4.model import Block
@@ -88,6 +95,17 @@ def main() -> None:
     print(f"{args.file.name}: prefill of {args.prompt_tokens} tokens, {len(per_layer)} layers, medians of "
           f"{args.rounds} rounds")
     print("host ms a layer: " + " ".join(f"{ms:.2f}" for ms in per_layer))
+    if args.profile:
+        profile = cProfile.Profile()
+        session = engine.new_session()
+        cupy.cuda.Device().synchronize()
+        spin((1,), (1,), (np.int64(args.spin_ms * 1e-3 * clock_hz),))
+        profile.runcall(session.feed, prompt, logits="last")
+        stats = pstats.Stats(profile)
+        print(f"one spin-held prefill under cProfile: the {args.profile} functions with most own time, then most "
+              "time with their callees")
+        stats.sort_stats("tottime").print_stats(args.profile)
+        stats.sort_stats("cumulative").print_stats(args.profile)
     print(f"host issues the layers in {per_layer.sum():.1f} ms ({per_layer.mean():.2f} a layer); the prefill's wall "
           f"time on an idle GPU {wall:.1f} ms ({wall / len(per_layer):.2f} a layer, the embedding and head included)")
 
