@@ -4,6 +4,7 @@ needed), every kernel launched that way waiting for its predecessor, and the sam
 from __future__ import annotations
 
 import ctypes
+import enum
 import re
 
 import numpy as np
@@ -29,15 +30,37 @@ def test_driver_structures_have_cuda_h_layout():
 
 @pytest.mark.parametrize(("value", "expected"), [
     (np.int32(-3), np.int32(-3).tobytes()), (np.float32(0.5), np.float32(0.5).tobytes()),
-    (np.uint64(7), np.uint64(7).tobytes()), (5, np.int64(5).tobytes()), (2.5, np.float64(2.5).tobytes()),
-    (True, b"\x01"), (None, bytes(8))])
+    (np.uint64(7), np.uint64(7).tobytes()), (np.float16(1.5), np.float16(1.5).tobytes()),
+    (5, np.int64(5).tobytes()), (2**63 + 1, np.uint64(2**63 + 1).tobytes()), (2.5, np.float64(2.5).tobytes()),
+    (True, b"\x01"), (np.bool_(False), b"\x00"), (None, bytes(8)),
+    (enum.IntEnum("E", "A B")(2), np.int64(2).tobytes())])
 def test_arguments_are_the_bytes_cupy_would_pass(value, expected):
-    assert bytes(launch._argument(value)) == expected
+    buffer, offsets = launch._packed([value])
+    assert offsets == (0,) and buffer.raw[:len(expected)] == expected
+
+
+def test_arguments_are_laid_out_as_a_c_parameter_list():
+    """Each argument at an offset aligned to its size, as a kernel's parameters sit: padding after a bool before
+    an int32, after an int32 before a pointer."""
+    args = [True, np.int32(7), None, np.float32(2.0), 3, np.uint8(9), 1.5]
+    buffer, offsets = launch._packed(args)
+    assert offsets == (0, 4, 8, 16, 24, 32, 40)
+    raw = buffer.raw
+    for value, offset, width in zip(args, offsets, (1, 4, 8, 4, 8, 1, 8), strict=True):
+        assert raw[offset:offset + width] == launch._packed([value])[0].raw[:width]
+    assert launch._packed([])[1] == ()
 
 
 def test_an_unknown_argument_type_is_refused():
     with pytest.raises(TypeError, match="CuPy array or a number"):
-        launch._argument("x")
+        launch._packed([np.int32(1), "x"])
+
+
+def test_launch_configurations_are_made_once_a_shape():
+    first = launch._config((128, 6), (256,), 0, 0)
+    assert launch._config([128, 6], [256], 0, 0) is first and launch._config((128, 6), (256,), 0, 1) is not first
+    assert list(first.grid) == [128, 6, 1] and list(first.block) == [256, 1, 1] and first.num_attrs == 1
+    assert first.attrs.contents.id == launch._PROGRAMMATIC_STREAM_SERIALIZATION and first.attrs.contents.value == 1
 
 
 def _kernels(text: str) -> dict[str, str]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import struct
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -60,19 +61,69 @@ def programmatic() -> bool:
     return os.environ.get(PDL_ENV, "1").strip() != "0" and _capable(cupy.cuda.Device().id)
 
 
-def _argument(value: Any) -> ctypes.Array:
-    """A kernel argument as the bytes its parameter holds, converted as CuPy converts it: an array's device
-    pointer, None a null pointer, a Python int an int64, a float a float64, a numpy scalar its own bytes."""
+#: struct codes (native sizes and alignment, as a C parameter list lays them out) of the argument types CuPy
+#: converts: a Python int an int64, a float a float64, a numpy scalar its own type; None a null pointer.
+_CODES: dict[type, str] = {type(None): "Q", bool: "?", int: "q", float: "d", np.bool_: "?", np.int8: "b",
+                           np.uint8: "B", np.int16: "h", np.uint16: "H", np.int32: "i", np.uint32: "I", np.int64: "q",
+                           np.uint64: "Q", np.float16: "e", np.float32: "f", np.float64: "d"}
+#: (struct, each argument's offset) by codes: a prefill launches a few dozen kernels of a few signatures.
+_layouts: dict[str, tuple[struct.Struct, tuple[int, ...]]] = {}
+
+
+def _converted(value: Any) -> tuple[str, Any]:
+    """The struct code and the value to pack of an argument that :data:`_CODES` does not take as it is: None (a
+    null pointer), an int past int64 (a uint64), a CuPy array (its device pointer), a subclass of a number type."""
     if value is None:
-        value = np.uint64(0)
-    elif isinstance(value, bool | int | float):
-        value = np.asarray(value, dtype=np.bool_ if isinstance(value, bool) else None)[()]
-    elif not isinstance(value, np.generic):
-        cupy = sys.modules.get("cupy")  # not imported: the value is no CuPy array
-        if cupy is None or not isinstance(value, cupy.ndarray):
-            raise TypeError(f"kernel argument of type {type(value).__name__}: pass a CuPy array or a number")
-        value = np.uint64(value.data.ptr)
-    return (ctypes.c_char * value.nbytes).from_buffer_copy(value.tobytes())
+        return "Q", 0
+    cupy = sys.modules.get("cupy")  # not imported: the value is no CuPy array
+    if cupy is not None and isinstance(value, cupy.ndarray):
+        return "Q", value.data.ptr
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1 << 63:
+        return "Q", value
+    for kind in (bool, int, float):  # subclasses: an IntEnum, say
+        if isinstance(value, kind):
+            return _CODES[kind], kind(value)
+    if isinstance(value, np.generic) and type(value.item()) in (bool, int, float):
+        return _CODES[np.dtype(value.dtype).type], value
+    raise TypeError(f"kernel argument of type {type(value).__name__}: pass a CuPy array or a number")
+
+
+def _packed(args: Sequence[Any]) -> tuple[Any, tuple[int, ...]]:
+    """Every argument's bytes in one buffer, laid out as a C parameter list, and each one's offset: a launch
+    packs one buffer instead of a ctypes array an argument."""
+    codes, values = [], []
+    for value in args:
+        code = _CODES.get(type(value))
+        if code is None or value is None or (code == "q" and value >= 1 << 63):
+            code, value = _converted(value)
+        codes.append(code)
+        values.append(value)
+    key = "".join(codes)
+    layout = _layouts.get(key)
+    if layout is None:
+        offsets = tuple(struct.calcsize("@" + key[:i + 1]) - struct.calcsize(key[i]) for i in range(len(key)))
+        layout = _layouts[key] = (struct.Struct("@" + key), offsets)
+    buffer = ctypes.create_string_buffer(max(layout[0].size, 1))
+    layout[0].pack_into(buffer, 0, *values)
+    return buffer, layout[1]
+
+
+#: The one launch attribute every programmatic launch passes; the driver only reads it.
+_PROGRAMMATIC = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+#: Launch configurations by (grid, block, shared memory, stream): a prefill repeats a few dozen shapes, and a
+#: configuration is never changed once made, so launches from several threads may share it.
+_configs: dict[tuple, _Config] = {}
+
+
+def _config(grid: Sequence[int], block: Sequence[int], shared_mem: int, stream: int) -> _Config:
+    key = (tuple(grid), tuple(block), shared_mem, stream)
+    config = _configs.get(key)
+    if config is None:
+        if len(_configs) >= 4096:  # shapes that keep changing (contexts of every length): start over
+            _configs.clear()
+        config = _configs[key] = _Config(grid=_dims(grid), block=_dims(block), shared_mem=shared_mem, stream=stream,
+                                         attrs=ctypes.pointer(_PROGRAMMATIC), num_attrs=1)
+    return config
 
 
 def _dims(dims: Sequence[int]) -> Any:
@@ -101,11 +152,10 @@ class Kernel:
         if not programmatic():
             self.raw(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem)
             return
-        values = [_argument(a) for a in args]
-        params = (ctypes.c_void_p * max(len(values), 1))(*[ctypes.addressof(v) for v in values])
-        attribute = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-        config = _Config(grid=_dims(grid), block=_dims(block), shared_mem=shared_mem,
-                         stream=cupy.cuda.get_current_stream().ptr, attrs=ctypes.pointer(attribute), num_attrs=1)
+        buffer, offsets = _packed(args)
+        base = ctypes.addressof(buffer)
+        params = (ctypes.c_void_p * max(len(offsets), 1))(*[base + offset for offset in offsets])
+        config = _config(grid, block, shared_mem, cupy.cuda.get_current_stream().ptr)
         status = _driver().cuLaunchKernelEx(ctypes.byref(config), self.raw.kernel.ptr, params, None)
         if status:
             name = ctypes.c_char_p()
