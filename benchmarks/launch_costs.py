@@ -16,11 +16,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-
-_SPIN = r'''extern "C" __global__ void spin(long long n) {
-    const long long t = clock64();
-    while (clock64() - t < n) {}
-}'''
+from prefill_host import spinner
 
 
 def main() -> None:
@@ -31,9 +27,7 @@ def main() -> None:
     import cupy as cp
     from ds4_backend_cuda import launch, prefill
 
-    spin = cp.RawKernel(_SPIN, "spin")
-    runtime = cp.cuda.runtime
-    clock_hz = 1e3 * runtime.deviceGetAttribute(runtime.cudaDevAttrClockRate, cp.cuda.Device().id)
+    hold = spinner()
     x = cp.ones(1 << 20, dtype=cp.float32)
     amax = cp.zeros(1, dtype=cp.float32)
     plain = prefill._shared("amax_abs")  # a prefill kernel, launched by CuPy
@@ -61,7 +55,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, call in calls.items():
             cp.cuda.Device().synchronize()
-            spin((1,), (1,), (np.int64(0.2 * clock_hz),))
+            hold(200.0)
             start = time.perf_counter()
             for _ in range(args.calls):
                 call()

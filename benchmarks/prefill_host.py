@@ -45,6 +45,17 @@ _SPIN = r'''extern "C" __global__ void spin(long long n) {
 }'''
 
 
+def spinner() -> Callable[[float], None]:
+    """A function that holds the current stream's GPU for the milliseconds it is given (one thread spinning), so
+    that the host's calls after it are timed without waiting for the device."""
+    import cupy
+
+    spin = cupy.RawKernel(_SPIN, "spin")
+    runtime = cupy.cuda.runtime
+    clock_hz = 1e3 * runtime.deviceGetAttribute(runtime.cudaDevAttrClockRate, cupy.cuda.Device().id)  # given in kHz
+    return lambda ms: spin((1,), (1,), (np.int64(ms * 1e-3 * clock_hz),))
+
+
 def _stamped(cls: type, name: str, stamps: list[tuple[float, float]]) -> None:
     """Wraps ``cls.name`` so that each call appends its (start, end) ``perf_counter`` times to ``stamps``."""
     method = getattr(cls, name)
@@ -129,9 +140,7 @@ def main() -> None:
             session.feed(before, logits="none")
         return session
 
-    spin = cupy.RawKernel(_SPIN, "spin")
-    runtime = cupy.cuda.runtime
-    clock_hz = 1e3 * runtime.deviceGetAttribute(runtime.cudaDevAttrClockRate, cupy.cuda.Device().id)  # given in kHz
+    hold = spinner()
     for _ in range(2):  # compiles and warms every kernel
         new_session().feed(prompt, logits="last")
     stamps: list[tuple[float, float]] = []
@@ -147,7 +156,7 @@ def main() -> None:
         cupy.cuda.Device().synchronize()
         stamps.clear()
         start = time.perf_counter()
-        spin((1,), (1,), (np.int64(args.spin_ms * 1e-3 * clock_hz),))
+        hold(args.spin_ms)
         session.feed(prompt, logits="last")
         if not stamps:
             raise SystemExit(f"{args.file}: no DeepSeek V4 layer ran; this script times that plugin's layers")
@@ -171,7 +180,7 @@ def main() -> None:
                 session = new_session()
                 cupy.cuda.Device().synchronize()
                 armed[0] = True
-                spin((1,), (1,), (np.int64(args.spin_ms * 1e-3 * clock_hz),))
+                hold(args.spin_ms)
                 session.feed(prompt, logits="last")
 
         lines, functions = _sampled(prefills, active)

@@ -78,13 +78,11 @@ def _converted(value: Any) -> tuple[str, Any]:
     cupy = sys.modules.get("cupy")  # not imported: the value is no CuPy array
     if cupy is not None and isinstance(value, cupy.ndarray):
         return "Q", value.data.ptr
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1 << 63:
+    if isinstance(value, int) and value >= 1 << 63:
         return "Q", value
-    for kind in (bool, int, float):  # subclasses: an IntEnum, say
+    for kind in (int, float):  # subclasses: an IntEnum, say
         if isinstance(value, kind):
             return _CODES[kind], kind(value)
-    if isinstance(value, np.generic) and type(value.item()) in (bool, int, float):
-        return _CODES[np.dtype(value.dtype).type], value
     raise TypeError(f"kernel argument of type {type(value).__name__}: pass a CuPy array or a number")
 
 
