@@ -35,6 +35,9 @@ def step_ms(path: Path, prompt_tokens: int, replays: int, rounds: int) -> list[f
         for t in ids[-3:]:  # records the step, then warms the replay
             session.feed([int(t)], logits="none")
         token, position = int(ids[-1]), session.state.n_tokens
+        # a model whose step takes another form later on (DeepSeek V4 past index_topk complete rows) records it
+        # here, not in a timed round: its forms change once at most as the position grows
+        graphs(token, position + replays * rounds - 1, session.state)
         start, end = cupy.cuda.Event(), cupy.cuda.Event()
         times = []
         for _ in range(rounds):

@@ -147,6 +147,8 @@ def main() -> None:
         graphs = engine.model.decode_graphs
         for _ in range(3):  # records the step, then warms the replay
             session.feed([int(np.argmax(session.last_logits))])
+        if graphs is not None:  # a step form needed later on (decode_replay.py) is recorded here, untraced
+            graphs(0, session.state.n_tokens + args.steps + 30, session.state)
         replays = graphs is not None and graphs.replays(session.state)
         tokens = rng.integers(0, engine.tokenizer.vocab_size, args.steps).tolist()
         kernels = _trace([lambda t=t: session.feed([t]) for t in tokens], args.sources)

@@ -5,13 +5,14 @@ graph replays them for about a microsecond each. A model provides a *step*: a on
 position are read from device buffers and whose every shape is fixed by the context, not by the position. The step
 is recorded once per state object (its buffers are baked into the graph), on the first token decoded into that
 state; every later token only writes the two (one copy) and replays. A state restored from a snapshot is a new object
-and gets its own recording.
+and gets its own recording. A model whose step can leave work out at some positions names, per position, the form
+of the step it needs (a *variant*); each form is recorded apart, on the first token that needs it.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import attrs
@@ -19,8 +20,9 @@ import numpy as np
 
 from .backend import Backend
 
-#: ``step(ids [1] int32, pos [1] int32, state) -> outputs``: one token at ``pos``, state updated in place.
-Step = Callable[[Any, Any, Any], Any]
+#: ``step(ids [1] int32, pos [1] int32, state) -> outputs``: one token at ``pos``, state updated in place (with a
+#: variant, its form is a fourth argument).
+Step = Callable[..., Any]
 
 
 @attrs.define
@@ -33,34 +35,37 @@ class _Recording:
 
 
 class DecodeGraphs:
-    """Runs ``step`` for one token, replaying a recording of it per state when the backend records graphs."""
+    """Runs ``step`` for one token, replaying a recording of it per state (and variant) when the backend records
+    graphs. ``variant(position)``, where given, is the form of the step that position needs, handed to ``step`` as
+    its fourth argument."""
 
-    def __init__(self, backend: Backend, step: Step):
-        self.backend, self.step = backend, step
-        # by id(state): states compare by value, so they are not hashable; a finalizer drops a dead state's entry
-        # (and its graph, whose buffers were the state's) before its id can be reused.
-        self._recordings: dict[int, _Recording] = {}
+    def __init__(self, backend: Backend, step: Step, variant: Callable[[int], Hashable] | None = None):
+        self.backend, self.step, self.variant = backend, step, variant
+        # by id(state), then variant: states compare by value, so they are not hashable; a finalizer drops a dead
+        # state's entries (and their graphs, whose buffers were the state's) before its id can be reused.
+        self._recordings: dict[int, dict[Hashable, _Recording]] = {}
         # once a recording fails it fails for every state (same launches, same shapes): stop trying
         self._unrecordable = False
 
     def __call__(self, token: int, position: int, state: Any) -> Any:
         """The step's outputs for ``token`` at ``position``; they stay valid until the next call on ``state``."""
-        rec = self._recordings.get(id(state))
+        form = () if self.variant is None else (self.variant(position),)
+        recordings = self._recordings.get(id(state))
+        if recordings is None:
+            recordings = self._recordings[id(state)] = {}
+            weakref.finalize(state, self._recordings.pop, id(state), None)
+        rec = recordings.get(form)
         inputs = np.array([token, position], dtype=np.int32)
         if rec is None:
-            rec = _Recording(self.backend.asarray(inputs), None)
+            rec = recordings[form] = _Recording(self.backend.asarray(inputs), None)
             if self._unrecordable:
-                outputs = self.step(*rec.step_args(), state)
-            else:
-                outputs, rec.replay = self.backend.capture(lambda: self.step(*rec.step_args(), state))
-                self._unrecordable = rec.replay is None
-            self._recordings[id(state)] = rec
-            weakref.finalize(state, self._recordings.pop, id(state), None)
+                return self.step(*rec.step_args(), state, *form)
+            outputs, rec.replay = self.backend.capture(lambda: self.step(*rec.step_args(), state, *form))
+            self._unrecordable = rec.replay is None
             return outputs
         self.backend.write(rec.inputs, inputs)
-        return rec.replay() if rec.replay is not None else self.step(*rec.step_args(), state)
+        return rec.replay() if rec.replay is not None else self.step(*rec.step_args(), state, *form)
 
     def replays(self, state: Any) -> bool:
         """Whether decode steps into ``state`` replay a recorded graph."""
-        rec = self._recordings.get(id(state))
-        return rec is not None and rec.replay is not None
+        return any(rec.replay is not None for rec in self._recordings.get(id(state), {}).values())

@@ -34,6 +34,25 @@ def test_steps_run_with_the_given_token_and_position_and_entries_die_with_their_
     np.testing.assert_array_equal(graphs(6, 2, b), [62])
 
 
+def test_each_variant_of_a_state_gets_its_own_entry_and_the_step_its_form():
+    forms: list[str] = []
+
+    def step(ids, pos, state, form):
+        forms.append(form)
+        return _step(ids, pos, state)
+
+    graphs = DecodeGraphs(NumpyBackend(), step, variant=lambda position: "short" if position < 2 else "long")
+    a, b = _State(), _State()
+    outs = [int(graphs(t, p, a)[0]) for t, p in ((1, 0), (2, 1), (3, 2), (4, 3))] + [int(graphs(5, 0, b)[0])]
+    assert outs == [10, 21, 32, 43, 50]
+    assert forms == ["short", "short", "long", "long", "short"]
+    assert a.seen == [(1, 0), (2, 1), (3, 2), (4, 3)]
+    assert {id(a): {"short", "long"}, id(b): {"short"}} == {k: {f[0] for f in v} for k, v in graphs._recordings.items()}
+    del a
+    gc.collect()
+    assert list(graphs._recordings) == [id(b)]
+
+
 class _CountingBackend(NumpyBackend):
     """The numpy backend, counting recording attempts (it records nothing, like a step the device cannot record)."""
 

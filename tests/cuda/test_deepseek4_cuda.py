@@ -131,21 +131,26 @@ def _decode(model, backend, ids: np.ndarray, prompt: int) -> tuple[np.ndarray, o
     return np.concatenate(out), state
 
 
-def test_decode_replays_one_cuda_graph_per_state_and_matches_eager_and_numpy(cuda_backend, tiny_gguf):
+# 40: the steps start while every complete CSA row is visible (through position 66) and cross into the indexer's
+# choice, each form recorded once; PROMPT_TOKENS: every step chooses.
+@pytest.mark.parametrize("prompt", [PROMPT_TOKENS, 40])
+def test_decode_replays_cuda_graphs_per_state_and_matches_eager_and_numpy(cuda_backend, tiny_gguf, prompt):
     from ds4_core.backends.numpy import NumpyBackend
 
-    ids = _ids(PROMPT_TOKENS + 40)  # decode crosses CSA/HCA windows and the indexer's top-k
+    ids = _ids(prompt + 40)  # decode crosses CSA/HCA windows and the indexer's top-k
     gguf, model = _load(tiny_gguf, cuda_backend)
     try:
         assert model.decode_graphs is not None
-        graphed, state = _decode(model, cuda_backend, ids, PROMPT_TOKENS)
+        graphed, state = _decode(model, cuda_backend, ids, prompt)
         assert model.decode_graphs.replays(state)
+        forms = {form for (form,) in model.decode_graphs._recordings[id(state)]}
+        assert forms == ({True, False} if prompt < 66 else {False})
         model.decode_graphs = None  # the same weights, each step launched eagerly
-        eager, _ = _decode(model, cuda_backend, ids, PROMPT_TOKENS)
+        eager, _ = _decode(model, cuda_backend, ids, prompt)
     finally:
         gguf.close()
     np.testing.assert_allclose(graphed, eager, rtol=1e-4, atol=1e-4 * np.abs(eager).max())
-    _close(graphed, _run(tiny_gguf, NumpyBackend(), [PROMPT_TOKENS] + [1] * 40, ids))
+    _close(graphed, _run(tiny_gguf, NumpyBackend(), [prompt] + [1] * 40, ids))
 
 
 def test_graphed_session_restores_and_decodes_the_same_tokens(cuda_backend, tiny_gguf):

@@ -356,6 +356,32 @@ def test_decode_step_with_device_position_equals_token_by_token(model, one_by_on
     np.testing.assert_allclose(np.concatenate(out), one_by_one, atol=1e-5 * np.abs(one_by_one).max())
 
 
+def test_the_step_without_index_choice_equals_token_by_token_while_every_compressed_row_is_visible(model, one_by_one):
+    """Top-3 of rows of 4 tokens: through position 14 a CSA layer has at most 3 complete rows, and the step's form
+    that reads them all, without index queries or scores, gives the token-by-token logits. Past it the indexer's
+    choice matters: the same form (the first 3 rows) no longer does."""
+    assert [model.all_visible(p) for p in (0, 14, 15, 43)] == [True, True, False, False]
+    state, out = model.new_state(64), []
+    for p, token in enumerate(IDS):
+        out.append(model.decode_step(np.array([token], np.int32), np.array([p], np.int32), state, True)[0])
+    out = np.concatenate(out)
+    tol = 1e-5 * np.abs(one_by_one).max()
+    np.testing.assert_allclose(out[:15], one_by_one[:15], atol=tol)
+    assert np.abs(out[15:] - one_by_one[15:]).max() > 100 * tol
+
+
+def test_recorded_steps_take_the_form_each_position_needs(model, one_by_one):
+    from ds4_core.decode_graph import DecodeGraphs
+
+    model.decode_graphs = graphs = DecodeGraphs(model.ops.backend, model.decode_step, variant=model.all_visible)
+    try:
+        got, state = feed(model, [1] * len(IDS))
+        assert set(graphs._recordings[id(state)]) == {(True,), (False,)}
+    finally:
+        model.decode_graphs = None
+    np.testing.assert_allclose(got, one_by_one, atol=1e-5 * np.abs(one_by_one).max())
+
+
 def test_decode_step_continues_a_chunked_prefill_with_qat_rounding(tiny_path):
     qat_model = open_model(tiny_path, qat_rounding=True)
     want, _ = feed(qat_model, [1] * len(IDS))

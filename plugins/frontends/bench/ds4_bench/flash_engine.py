@@ -25,7 +25,7 @@ from ds4_core.quants import dequantize
 
 from .engine_decode import device_in_use
 from .flash_gguf import PlannedTensor, ProgressBar, flash_config, tensor_bytes, tensor_plan
-from .synthetic_deepseek4 import MODEL
+from .synthetic_deepseek4 import MODEL, decode_plan
 from .synthetic_plan import prefill_plan, read_bytes
 
 _INTEGER_DTYPES = {"I32": np.int32, "I16": np.int16, "I8": np.int8, "I64": np.int64}
@@ -166,7 +166,6 @@ def engine_results(recipe: str, layers: int, contexts: Sequence[int], prefill_to
                          "fraction_of_matmul_roof": flops / seconds / matmul_rate,
                          "device_used_bytes": device_in_use("cuda")})
         pool.free_all_blocks()
-    weight_bytes = read_bytes(MODEL.plan(recipe, layers))
     decodes = []
     for context in contexts:
         state = model.new_state(context + 1)
@@ -175,9 +174,10 @@ def engine_results(recipe: str, layers: int, contexts: Sequence[int], prefill_to
         graph = _replays(model, token, context, state, 5 * repeats)
         replayed = backend.to_numpy(model.decode_graphs(token, context, state)[0])
         ids, pos = backend.asarray(np.array([token], np.int32)), backend.asarray(np.array([context], np.int32))
-        eager = _timed(functools.partial(model.decode_step, ids, pos, state), backend)
-        direct = backend.to_numpy(model.decode_step(ids, pos, state)[0])
-        nbytes = weight_bytes + read_bytes(MODEL.state(layers, context))
+        step = functools.partial(model.decode_step, ids, pos, state, model.all_visible(context))  # the replay's form
+        eager = _timed(step, backend)
+        direct = backend.to_numpy(step()[0])
+        nbytes = read_bytes(decode_plan(recipe, layers, context=context)) + read_bytes(MODEL.state(layers, context))
         decodes.append({"context": context, "bytes_per_step": nbytes, "graph_s": graph, "eager_s": eager,
                         "graph_fraction": nbytes / graph / bandwidth, "tokens_per_s": 1 / graph,
                         "replay_vs_eager": float(np.abs(replayed - direct).max() / np.abs(direct).max()),

@@ -26,14 +26,22 @@ def compress_ratio(layer: int, shapes: dict[str, int] = FLASH) -> int:
     return shapes["csa_ratio"] if layer % 2 == 0 else shapes["hca_ratio"]
 
 
-def decode_plan(recipe: str, layers: int, shapes: dict[str, int] = FLASH) -> Plan:
+def all_visible(context: int, shapes: dict[str, int] = FLASH) -> bool:
+    """Whether a token with ``context`` tokens cached sees every complete CSA row (at most ``index_topk``), so that
+    the step leaves the indexer's queries and scores out (the model's ``all_visible``)."""
+    return context // shapes["csa_ratio"] <= shapes["index_topk"]
+
+
+def decode_plan(recipe: str, layers: int, shapes: dict[str, int] = FLASH, context: int | None = None) -> Plan:
     """The matrices one batch-1 token reads in decoder layers ``0 .. layers-1``, then the HC head and output head.
 
     Per layer: the attention HC mix; q_a, q_b, kv; the compressor kv/gate of CSA (``2·head_dim`` wide) and HCA
     (``head_dim``) layers and, in CSA layers, the indexer's q_b, head weights and compressor kv/gate; the grouped
-    o_a (one launch) and o_b; the FFN HC mix; the router, ``k`` routed experts and the shared expert.
+    o_a (one launch) and o_b; the FFN HC mix; the router, ``k`` routed experts and the shared expert. With a
+    ``context`` where every complete CSA row is visible, the indexer's q_b and head weights are not read.
     """
     s = shapes
+    choosing = context is None or not all_visible(context, s)
     D, n, hd = s["hidden"], s["hc"], s["head_dim"]
     gate_up, down = RECIPES[recipe]
     plan: Plan = []
@@ -48,10 +56,11 @@ def decode_plan(recipe: str, layers: int, shapes: dict[str, int] = FLASH) -> Pla
             coff = 2 if ratio == s["csa_ratio"] else 1
             plan += [Matrix(p + "attn_compressor_kv", "F16", coff * hd, D),
                      Matrix(p + "attn_compressor_gate", "F16", coff * hd, D)]
-        if ratio == s["csa_ratio"]:
+        if ratio == s["csa_ratio"] and choosing:
             plan += [Matrix(p + "indexer.attn_q_b", "F16", s["index_heads"] * s["index_dim"], s["q_lora"]),
-                     Matrix(p + "indexer.proj", "F16", s["index_heads"], D),
-                     Matrix(p + "indexer_compressor_kv", "F16", 2 * s["index_dim"], D),
+                     Matrix(p + "indexer.proj", "F16", s["index_heads"], D)]
+        if ratio == s["csa_ratio"]:
+            plan += [Matrix(p + "indexer_compressor_kv", "F16", 2 * s["index_dim"], D),
                      Matrix(p + "indexer_compressor_gate", "F16", 2 * s["index_dim"], D)]
         plan += [Matrix(p + "attn_output_a", "Q8_0", s["o_lora"], s["heads"] * hd // s["o_groups"], s["o_groups"]),
                  Matrix(p + "attn_output_b", "Q8_0", D, s["o_groups"] * s["o_lora"]),
@@ -68,7 +77,8 @@ def decode_plan(recipe: str, layers: int, shapes: dict[str, int] = FLASH) -> Pla
 def state_plan(layers: int, context: int, shapes: dict[str, int] = FLASH) -> Plan:
     """The state one token reads with ``context`` cached tokens (spec §5.2, §9.1): per layer the raw window
     (≤ ``window`` rows × ``head_dim``); HCA layers every complete compressed row; CSA layers every indexer key
-    (``context // 4`` × ``index_dim``, all scored) and the ``index_topk`` selected compressed rows."""
+    (``context // 4`` × ``index_dim``, all scored) and the ``index_topk`` selected compressed rows, or, while those
+    are all the complete rows (:func:`all_visible`), those rows alone."""
     s = shapes
     hd = s["head_dim"]
     plan: Plan = []
@@ -78,7 +88,8 @@ def state_plan(layers: int, context: int, shapes: dict[str, int] = FLASH) -> Pla
         ratio = compress_ratio(i, s)
         if ratio == s["csa_ratio"]:
             rows = context // ratio
-            plan += state_rows(p + "indexer_keys", rows, s["index_dim"])
+            if not all_visible(context, s):
+                plan += state_rows(p + "indexer_keys", rows, s["index_dim"])
             plan += state_rows(p + "compressed_rows_selected", min(rows, s["index_topk"]), hd)
         elif ratio:
             plan += state_rows(p + "compressed_rows", context // ratio, hd)
@@ -89,5 +100,6 @@ MODEL = SyntheticModel(
     "DeepSeek V4 Flash", FLASH["layers"],
     {"q2": "IQ2_XXS gate/up + Q2_K down experts", "q4": "Q4_K experts", "mxfp4": "MXFP4 experts"},
     decode_plan, state_plan,
-    "raw window (<=128 rows x 512), HCA compressed rows (ctx/128 x 512), CSA indexer keys (ctx/4 x 128) and the "
-    "top-512 compressed rows (x 512), float32; compressor buffers not included")
+    "raw window (<=128 rows x 512), HCA compressed rows (ctx/128 x 512), CSA indexer keys (ctx/4 x 128, scored "
+    "once more than 512 rows are complete) and the top-512 compressed rows (x 512), float32; compressor buffers not "
+    "included")

@@ -7,7 +7,10 @@ every window-dependent quantity is computed from absolute positions and the stat
 
 :meth:`DeepSeekV4Model.decode_step` is the one-token form whose position lives only in a device array: every
 shape is fixed by the context and every position-dependent choice is an array operation, so the backend can record
-it once as a graph and replay it per token (``ds4_core.decode_graph``).
+it once as a graph and replay it per token (``ds4_core.decode_graph``). Its one host choice is made at recording:
+while a CSA layer has at most ``index_topk`` complete compressed rows, every one is visible and its indexer has
+nothing to choose (spec §5.5), so that form of the step reads all of them and leaves the index queries and scores
+out; the position picks the recording (:meth:`DeepSeekV4Model.all_visible`).
 """
 
 from __future__ import annotations
@@ -247,10 +250,13 @@ class StepIndex:
     the ring slot of the new raw row, the window's rows of a layer's keys (``LayerState.keys``), and per compression
     ratio the complete-window limit and, for layers without an indexer, the window's and every complete compressed
     row's rows of the keys: those of ``needs`` (``(m, n_rows)``, ``n_rows`` None for the limit alone), views of the
-    buffer of one ``step_index`` op (a backend makes them in one launch)."""
+    buffer of one ``step_index`` op (a backend makes them in one launch). ``all_visible``: the step's position has
+    at most ``index_topk`` complete rows of each CSA layer, so those layers read them all, as layers without an
+    indexer do."""
 
-    def __init__(self, ops: Ops, pos: Any, window: int, needs: Sequence[tuple[int, int | None]] = ()):
-        self.W = window
+    def __init__(self, ops: Ops, pos: Any, window: int, needs: Sequence[tuple[int, int | None]] = (),
+                 all_visible: bool = False):
+        self.W, self.all_visible = window, all_visible
         specs = tuple(dict.fromkeys((m, n or 0) for m, n in needs))
         buf = fused(ops, "step_index", compose_step_index)(pos, window, specs)
         self.slot, self.window = buf[0:1], buf[1:1 + window][None]
@@ -270,8 +276,9 @@ class StepIndex:
 
     def dense(self, m: int, n_rows: int) -> Any:
         """``[1, W + n_rows]``: the rows of the keys a query reads when every complete one of the ``n_rows``
-        compressed rows of ratio ``m`` is visible: the window's, then ``W + w`` for complete rows w (else -1)."""
-        return self._dense[m, n_rows]
+        compressed rows of ratio ``m`` is visible: the window's, then ``W + w`` for complete rows w (else -1); the
+        window's alone for a context too short to hold a compressed row."""
+        return self._dense[m, n_rows] if n_rows else self.window
 
 
 def compose_step_index(ops: Ops, pos: Any, window: int, specs: tuple[tuple[int, int], ...]) -> Any:
@@ -357,12 +364,24 @@ class Attention:
             cfg.head_dim ** -0.5, pos, self.inv_freq, self.attn_output_a, cfg.o_groups)
         return self._output_b(ops, low)
 
-    def index_needs(self, ls: LayerState) -> list[tuple[int, int | None]]:
+    def index_needs(self, ls: LayerState, all_visible: bool) -> list[tuple[int, int | None]]:
         """What a step of this layer reads of :class:`StepIndex` besides the slot and window: its ratio's limit and,
-        without an indexer, the dense rows of its compressed rows (its attention reads them all)."""
-        if self.compressor is None:
-            return []
-        return [(self.m, None if self.indexer is not None else ls.compressor.rows.shape[0])]
+        without an indexer or while every complete row is visible (``all_visible``: the first ``index_topk`` at
+        most), the dense rows of its compressed rows (its attention reads them all)."""
+        return [] if self.compressor is None else [(self.m, self._dense_rows(ls, all_visible))]
+
+    def _dense_rows(self, ls: LayerState, all_visible: bool) -> int | None:
+        """How many compressed rows a step's attention reads in order (every one without an indexer, the first
+        ``index_topk`` while all complete ones are visible), or None where the indexer chooses them."""
+        n_rows = ls.compressor.rows.shape[0]
+        if self.indexer is None:
+            return n_rows
+        return min(n_rows, self.indexer.topk) if all_visible else None
+
+    def all_visible(self, position: int) -> bool:
+        """Whether a step at ``position`` sees every complete compressed row of this layer: true without an
+        indexer, and with one while at most ``index_topk`` rows are complete."""
+        return self.indexer is None or (position + 1) // self.m <= self.indexer.topk
 
     def step(self, ops: Ops, x: Any, pos: Any, ls: LayerState, index: StepIndex) -> Any:
         """One token ``x [1, D]`` at the device position ``pos [1]`` -> ``[1, D]``; advances ``ls``.
@@ -370,14 +389,17 @@ class Attention:
         Shapes depend only on the context: the query reads every ring slot that holds a position in its window
         and (CSA/HCA) the selected compressed rows, with the complete-window mask computed from ``pos``, all rows
         of the layer's one key buffer ``ls.keys`` (so nothing is gathered or concatenated but the indices). The
-        compressors need only ``x``, so the backend may run them beside the queries and the raw row."""
+        compressors need only ``x``, so the backend may run them beside the queries and the raw row. While every
+        complete row is visible (``index.all_visible``) a CSA layer reads them all and makes no index queries, head
+        weights or scores; its indexer's compressor still takes the token."""
         if self.compressor is None:
             q, _ = self._step_queries(ops, x, pos, ls, index)
             return self._attend(ops, q, ls.raw, index.window, pos)
         (q, index_q), rows = ops.concurrently(lambda: self._step_queries(ops, x, pos, ls, index),
-                                              lambda: self._step_compressed(ops, x, pos, ls))
-        if self.indexer is None:
-            parts = index.dense(self.m, rows[0].shape[0])
+                                              lambda: self._step_compressed(ops, x, pos, ls, index.all_visible))
+        dense = self._dense_rows(ls, index.all_visible)
+        if dense is not None:
+            parts = index.dense(self.m, dense)
         else:  # the window's rows, then the chosen ones
             parts = self.indexer.select(ops, index_q, rows[2], rows[1], index.limit(self.m), index.W, index.window[0])
         return self._attend(ops, q, ls.attention_keys(ops.xp), parts, pos)
@@ -397,24 +419,27 @@ class Attention:
         def index_queries() -> Any:
             return self.indexer.queries(ops, self._q_latent(ops, q_low), pos, self.inv_freq, self.index_finish)
 
+        choosing = self.indexer is not None and not index.all_visible
         branches = [lambda: self._queries(ops, q_low), put_raw]  # longest first
-        if self.indexer is not None:
+        if choosing:
             branches.insert(1, index_queries)
         q, *rest = ops.concurrently(*branches)
-        return q, rest[0] if self.indexer is not None else None
+        return q, rest[0] if choosing else None
 
-    def _step_compressed(self, ops: Ops, x: Any, pos: Any, ls: LayerState) -> tuple[Any, ...]:
+    def _step_compressed(self, ops: Ops, x: Any, pos: Any, ls: LayerState, all_visible: bool) -> tuple[Any, ...]:
         """A step of the compressors -> ``(compressed rows,)`` (HCA) or ``(compressed rows, indexer rows, head
-        weights [1, nih])`` (CSA)."""
+        weights [1, nih])`` (CSA; the head weights None while every complete row is visible)."""
         weights = (self.compressor.kv, self.compressor.gate)
         if self.indexer is not None:
-            weights += (self.indexer.compressor.kv, self.indexer.compressor.gate, self.indexer.proj)
+            weights += (self.indexer.compressor.kv, self.indexer.compressor.gate)
+            if not all_visible:
+                weights += (self.indexer.proj,)
         proj = fused(ops, "linears", compose_linears)(x, weights)  # every projection the compressors and indexer need
         rows = self.compressor.step(ops, *proj[:2], pos, ls.compressor, self.inv_freq, self.kv_finish)  # into ls.keys
         if self.indexer is None:
             return (rows,)
         index_rows = self.indexer.compressor.step(ops, *proj[2:4], pos, ls.indexer, self.inv_freq, self.index_finish)
-        return rows, index_rows, proj[4]
+        return rows, index_rows, None if all_visible else proj[4]
 
     def _project(self, ops: Ops, x: Any, pos: Any) -> tuple[Any, Any, Any]:
         """(query latent before its norm ``[T, q_lora]``, queries ``[T, H, hd]`` before their norm and RoPE, the K=V
@@ -617,7 +642,8 @@ class DeepSeekV4Model:
         #: The final streams ``[T, n, D]`` (before the HyperHead) of the last :meth:`forward`, which the MTP reads.
         self.last_stream: Any = None
         #: One-token forwards as recorded graphs, on backends that record them (else None: plain forwards).
-        self.decode_graphs = DecodeGraphs(ops.backend, self.decode_step) if ops.backend.graphs else None
+        self.decode_graphs = (DecodeGraphs(ops.backend, self.decode_step, variant=self.all_visible)
+                              if ops.backend.graphs else None)
 
     def new_state(self, ctx: int) -> DeepSeekV4State:
         """Empty state for a context of ``ctx`` tokens."""
@@ -645,23 +671,31 @@ class DeepSeekV4Model:
         state.n_tokens = p0 + T
         return logits
 
-    def decode_step(self, ids: Any, pos: Any, state: DeepSeekV4State) -> tuple[Any, Any]:
+    def decode_step(self, ids: Any, pos: Any, state: DeepSeekV4State,
+                    all_visible: bool = False) -> tuple[Any, Any]:
         """One token ``ids [1]`` at the position in the device array ``pos [1]`` -> (logits ``[1, V]``, final
         streams ``[1, n, D]``). Writes ``state``'s arrays but not ``state.n_tokens`` (the caller's job); takes no
-        host decision on the position, so it can be recorded once and replayed."""
-        return self._run(ids, pos, state, None)
+        host decision on the position, so it can be recorded once and replayed. ``all_visible`` (only where
+        :meth:`all_visible` holds for the position): the form whose CSA layers read every complete row unchosen."""
+        return self._run(ids, pos, state, None, all_visible=all_visible)
 
-    def _index_needs(self, state: DeepSeekV4State) -> list[tuple[int, int | None]]:
+    def all_visible(self, position: int) -> bool:
+        """Whether a step at ``position`` sees every complete compressed row of every CSA layer (at most
+        ``index_topk`` are complete: Flash's first 2051 positions), so that its indexers need not choose."""
+        return all(block.attn.all_visible(position) for block in self.blocks)
+
+    def _index_needs(self, state: DeepSeekV4State, all_visible: bool) -> list[tuple[int, int | None]]:
         """:class:`StepIndex`'s needs of a step into ``state``: every layer's (:meth:`Attention.index_needs`)."""
         return [need for block, ls in zip(self.blocks, state.layers, strict=True)
-                for need in block.attn.index_needs(ls)]
+                for need in block.attn.index_needs(ls, all_visible)]
 
     def _run(self, ids: Any, pos: Any, state: DeepSeekV4State, p0: int | None,
-             last_row: bool = False) -> tuple[Any, Any]:
+             last_row: bool = False, all_visible: bool = False) -> tuple[Any, Any]:
         ops, xp, cfg = self.ops, self.ops.xp, self.cfg
         x = ops.embed(self.token_embd, ids)
         S = xp.repeat(x[:, None, :], cfg.hc_mult, axis=1)
-        index = StepIndex(ops, pos, cfg.sliding_window, self._index_needs(state)) if p0 is None else None
+        index = (StepIndex(ops, pos, cfg.sliding_window, self._index_needs(state, all_visible), all_visible)
+                 if p0 is None else None)
         pending = None
         for block, ls in zip(self.blocks, state.layers, strict=True):
             S, pending = block.layer(ops, S, pending, ids, pos, ls, p0, index)
