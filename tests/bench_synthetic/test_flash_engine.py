@@ -62,19 +62,22 @@ def test_loader_refuses_what_the_plan_does_not_hold(ask, match):
     assert weights.get("blk.0.attn_q_b.weight", (256, 64), ("Q8_0",)).shape == (256, 64)  # and it goes on
 
 
-def test_the_report_gives_each_prefill_median_with_its_spread(capsys):
+def test_the_report_gives_each_prefill_median_with_its_spread_and_says_which_steps_skip_the_indexer(capsys):
     """A whole-model prefill is the median of a few runs; the report gives their range beside it, so that a slow
-    episode of the machine shows as a wide spread."""
+    episode of the machine shows as a wide spread. A decode step whose CSA rows are all visible says so."""
     runs = [0.2561, 0.2546, 0.3801]
     report = {"layers": 43, "full_layers": 43, "weights_device_bytes": 86.72e9, "weights_plan_bytes": 86.71e9,
               "seconds": 66.0, "prefill_chunk": 2048, "decode": [{
-                  "context": 2048, "graph_s": 4.82e-3, "tokens_per_s": 207.5, "graph_fraction": 0.467,
-                  "bytes_per_step": 9.594e9, "eager_s": 0.1258, "replay_vs_eager": 0.0, "device_used_bytes": 90.3e9}],
+                  "context": context, "all_visible": context <= 2048, "graph_s": 4.82e-3, "tokens_per_s": 207.5,
+                  "graph_fraction": 0.467, "bytes_per_step": 9.594e9, "eager_s": 0.1258, "replay_vs_eager": 0.0,
+                  "device_used_bytes": 90.3e9} for context in (2048, 32768)],
               "prefill": [{"tokens": 2048, "seconds": float(np.median(runs)), "runs": runs,
                            "tokens_per_s": 2048 / float(np.median(runs)), "fraction_of_matmul_roof": 0.268,
                            "device_used_bytes": 90.3e9}]}
     print_engine(report)
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].startswith("  decode at context   2048: graph replay   4.820 ms a step (207.5 t/s of GPU time)")
-    assert lines[2] == ("  prefill   2048 tokens in chunks of 2048:    256.1 ms (median of 3: 254.6-380.1 ms), "
+    assert lines[1].endswith("GB; every complete CSA row visible, so no index queries or scores")
+    assert lines[2].startswith("  decode at context  32768") and lines[2].endswith("in use 90.3 GB")
+    assert lines[3] == ("  prefill   2048 tokens in chunks of 2048:    256.1 ms (median of 3: 254.6-380.1 ms), "
                         "7997 t/s, 26.8% of the matmul roof by its weight matmuls; device memory in use 90.3 GB")

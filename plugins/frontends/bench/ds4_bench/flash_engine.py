@@ -178,7 +178,8 @@ def engine_results(recipe: str, layers: int, contexts: Sequence[int], prefill_to
         eager = _timed(step, backend)
         direct = backend.to_numpy(step()[0])
         nbytes = read_bytes(decode_plan(recipe, layers, context=context)) + read_bytes(MODEL.state(layers, context))
-        decodes.append({"context": context, "bytes_per_step": nbytes, "graph_s": graph, "eager_s": eager,
+        decodes.append({"context": context, "all_visible": model.all_visible(context), "bytes_per_step": nbytes,
+                        "graph_s": graph, "eager_s": eager,
                         "graph_fraction": nbytes / graph / bandwidth, "tokens_per_s": 1 / graph,
                         "replay_vs_eager": float(np.abs(replayed - direct).max() / np.abs(direct).max()),
                         "device_used_bytes": device_in_use("cuda")})
@@ -197,7 +198,8 @@ def print_engine(e: dict[str, Any]) -> None:
         print(f"  decode at context {d['context']:6d}: graph replay {d['graph_s'] * 1e3:7.3f} ms a step "
               f"({d['tokens_per_s']:.1f} t/s of GPU time), {100 * d['graph_fraction']:.1f}% of copy bandwidth for "
               f"{d['bytes_per_step'] / gb:.3f} GB; eager {d['eager_s'] * 1e3:.1f} ms; replay vs eager logits "
-              f"{d['replay_vs_eager']:.1e} of the largest; device memory in use {d['device_used_bytes'] / gb:.1f} GB")
+              f"{d['replay_vs_eager']:.1e} of the largest; device memory in use {d['device_used_bytes'] / gb:.1f} GB"
+              + ("; every complete CSA row visible, so no index queries or scores" if d["all_visible"] else ""))
     for p in e["prefill"]:
         print(f"  prefill {p['tokens']:6d} tokens in chunks of {e['prefill_chunk']}: {p['seconds'] * 1e3:8.1f} ms "
               f"(median of {len(p['runs'])}: {min(p['runs']) * 1e3:.1f}-{max(p['runs']) * 1e3:.1f} ms), "
