@@ -85,7 +85,7 @@ def _deepseek4_state(context: int) -> int:
     """Spec §9.1: raw ring 128×512 per layer; HCA rows ⌊ctx/128⌋×512; CSA indexer rows ⌊ctx/4⌋×128 (scored only
     past 512 complete rows, §5.5) and the top-512 (index_topk) compressed rows ×512; float32."""
     values = 43 * min(context, 128) * 512
-    values += 21 * ((context // 4 * 128 if context // 4 > 512 else 0) + min(context // 4, 512) * 512)
+    values += 21 * ((context // 4 * 128 if (context + 1) // 4 > 512 else 0) + min(context // 4, 512) * 512)
     values += 20 * (context // 128 * 512)
     return 4 * values
 
@@ -102,7 +102,7 @@ def _qwen38_state(context: int, selected: int) -> int:
     return 4 * (36 * 48 * 128 * 128 + 12 * (selected * 2 * 2 * 256 + context // 4 * 128))
 
 
-@pytest.mark.parametrize("context", [1, 100, 2048, 2051, 2052, 32768])
+@pytest.mark.parametrize("context", [1, 100, 2048, 2050, 2051, 2052, 32768])
 def test_state_bytes_per_context_follow_the_spec(context):
     from ds4_bench.synthetic_plan import read_bytes
 
@@ -120,9 +120,9 @@ def test_state_reads_name_the_layers_they_belong_to():
     assert "blk.0.kv_window" in names and "blk.0.indexer_keys" not in names
     assert {"blk.2.indexer_keys", "blk.2.compressed_rows_selected", "blk.3.compressed_rows"} <= set(names)
     assert not [n for n in names if n.startswith("blk.1.compressed")]
-    assert [item.name for item in deepseek.state(3, 2052) if item.name.startswith("blk.2.")] == [
-        "blk.2.kv_window", "blk.2.indexer_keys", "blk.2.compressed_rows_selected"]
     assert [item.name for item in deepseek.state(3, 2051) if item.name.startswith("blk.2.")] == [
+        "blk.2.kv_window", "blk.2.indexer_keys", "blk.2.compressed_rows_selected"]
+    assert [item.name for item in deepseek.state(3, 2050) if item.name.startswith("blk.2.")] == [
         "blk.2.kv_window", "blk.2.compressed_rows_selected"]  # every complete row visible: no keys scored
     assert not [item for item in deepseek.state(4, 100) if item.name == "blk.3.compressed_rows"]  # < 128 tokens
     assert sum(item.name.endswith("kda_state") for item in glm.state(45, 2048)) == 34
@@ -206,13 +206,13 @@ def test_deepseek4_fits_in_an_h200_with_q2_and_not_with_q4():
     assert 20 < fitting_layers(MODEL, "q4", 139 * 2**30) < 43
 
 
-@pytest.mark.parametrize("context", [2048, 2051, 2052, 32768])
+@pytest.mark.parametrize("context", [2048, 2050, 2051, 32768])
 def test_a_flash_step_reads_the_indexer_queries_only_once_it_has_rows_to_choose(context):
     """The index queries' q_b (1024 → 64×128) and head weights (4096 → 64), F16, of the 21 CSA layers: read only
-    past 512 complete rows of 4 tokens."""
+    once the step's position (the context) has more than 512 complete rows of 4 tokens: from 2051."""
     from ds4_bench.synthetic_deepseek4 import decode_plan
     from ds4_bench.synthetic_plan import read_bytes
 
     full = read_bytes(decode_plan("q2", 43))
     indexer = 21 * 2 * (8192 * 1024 + 64 * 4096)
-    assert read_bytes(decode_plan("q2", 43, context=context)) == full - (indexer if context < 2052 else 0)
+    assert read_bytes(decode_plan("q2", 43, context=context)) == full - (indexer if context < 2051 else 0)

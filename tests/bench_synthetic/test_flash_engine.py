@@ -81,3 +81,14 @@ def test_the_report_gives_each_prefill_median_with_its_spread_and_says_which_ste
     assert lines[2].startswith("  decode at context  32768") and lines[2].endswith("in use 90.3 GB")
     assert lines[3] == ("  prefill   2048 tokens in chunks of 2048:    256.1 ms (median of 3: 254.6-380.1 ms), "
                         "7997 t/s, 26.8% of the matmul roof by its weight matmuls; device memory in use 90.3 GB")
+
+
+def test_the_bench_and_the_model_agree_on_which_steps_leave_the_indexer_out():
+    """The bench's numerator leaves the indexer's reads out exactly where the model's recorded step does."""
+    from ds4_bench.synthetic_deepseek4 import FLASH, all_visible
+
+    backend, ops = backend_ops("numpy")
+    model = build_flash(backend, ops, TOY_LAYERS, seed=SEED, shapes=TOY, progress=lambda n: None)
+    shapes = {**FLASH, "index_topk": TOY["index_topk"]}
+    assert [model.all_visible(c) for c in range(40)] == [all_visible(c, shapes) for c in range(40)]
+    assert model.all_visible(18) and not model.all_visible(19)  # top-4 of rows of 4 tokens: (4 + 1) * 4 - 1

@@ -27,9 +27,9 @@ def compress_ratio(layer: int, shapes: dict[str, int] = FLASH) -> int:
 
 
 def all_visible(context: int, shapes: dict[str, int] = FLASH) -> bool:
-    """Whether a token with ``context`` tokens cached sees every complete CSA row (at most ``index_topk``), so that
-    the step leaves the indexer's queries and scores out (the model's ``all_visible``)."""
-    return context // shapes["csa_ratio"] <= shapes["index_topk"]
+    """Whether the step at position ``context`` (after ``context`` tokens) sees every complete CSA row, at most
+    ``index_topk``, so that it leaves the indexer's queries and scores out (the model's ``all_visible``)."""
+    return (context + 1) // shapes["csa_ratio"] <= shapes["index_topk"]
 
 
 def decode_plan(recipe: str, layers: int, shapes: dict[str, int] = FLASH, context: int | None = None) -> Plan:

@@ -378,10 +378,10 @@ class Attention:
             return n_rows
         return min(n_rows, self.indexer.topk) if all_visible else None
 
-    def all_visible(self, position: int) -> bool:
-        """Whether a step at ``position`` sees every complete compressed row of this layer: true without an
-        indexer, and with one while at most ``index_topk`` rows are complete."""
-        return self.indexer is None or (position + 1) // self.m <= self.indexer.topk
+    def choice_from(self) -> float:
+        """The first position whose step has more than ``index_topk`` complete rows of this layer, so that its
+        indexer chooses: ``(pos + 1) // m > topk`` from ``pos = (topk + 1) m - 1``; infinite without an indexer."""
+        return float("inf") if self.indexer is None else (self.indexer.topk + 1) * self.m - 1
 
     def step(self, ops: Ops, x: Any, pos: Any, ls: LayerState, index: StepIndex) -> Any:
         """One token ``x [1, D]`` at the device position ``pos [1]`` -> ``[1, D]``; advances ``ls``.
@@ -642,6 +642,7 @@ class DeepSeekV4Model:
         #: The final streams ``[T, n, D]`` (before the HyperHead) of the last :meth:`forward`, which the MTP reads.
         self.last_stream: Any = None
         #: One-token forwards as recorded graphs, on backends that record them (else None: plain forwards).
+        self._choice_from = min(block.attn.choice_from() for block in self.blocks)
         self.decode_graphs = (DecodeGraphs(ops.backend, self.decode_step, variant=self.all_visible)
                               if ops.backend.graphs else None)
 
@@ -682,7 +683,7 @@ class DeepSeekV4Model:
     def all_visible(self, position: int) -> bool:
         """Whether a step at ``position`` sees every complete compressed row of every CSA layer (at most
         ``index_topk`` are complete: Flash's first 2051 positions), so that its indexers need not choose."""
-        return all(block.attn.all_visible(position) for block in self.blocks)
+        return position < self._choice_from
 
     def _index_needs(self, state: DeepSeekV4State, all_visible: bool) -> list[tuple[int, int | None]]:
         """:class:`StepIndex`'s needs of a step into ``state``: every layer's (:meth:`Attention.index_needs`)."""
