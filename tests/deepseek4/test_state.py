@@ -370,6 +370,14 @@ def test_the_step_without_index_choice_equals_token_by_token_while_every_compres
     assert np.abs(out[15:] - one_by_one[15:]).max() > 100 * tol
 
 
+def test_decode_steps_in_a_context_too_short_for_a_compressed_row_attend_the_window_alone(model, one_by_one):
+    """A 3-token context holds no row of 4 (CSA) or 8 (HCA) tokens: both forms of the step read the window's rows."""
+    for visible in (True, False):
+        state = model.new_state(3)
+        out = [model.decode_step(IDS[p:p + 1], np.array([p], np.int32), state, visible)[0] for p in range(3)]
+        np.testing.assert_allclose(np.concatenate(out), one_by_one[:3], atol=1e-5 * np.abs(one_by_one).max())
+
+
 def test_recorded_steps_take_the_form_each_position_needs(model, one_by_one):
     from ds4_core.decode_graph import DecodeGraphs
 

@@ -174,11 +174,12 @@ def engine_results(recipe: str, layers: int, contexts: Sequence[int], prefill_to
         graph = _replays(model, token, context, state, 5 * repeats)
         replayed = backend.to_numpy(model.decode_graphs(token, context, state)[0])
         ids, pos = backend.asarray(np.array([token], np.int32)), backend.asarray(np.array([context], np.int32))
-        step = functools.partial(model.decode_step, ids, pos, state, model.all_visible(context))  # the replay's form
+        visible = model.all_visible(context)
+        step = functools.partial(model.decode_step, ids, pos, state, visible)  # the replay's form
         eager = _timed(step, backend)
         direct = backend.to_numpy(step()[0])
         nbytes = read_bytes(decode_plan(recipe, layers, context=context)) + read_bytes(MODEL.state(layers, context))
-        decodes.append({"context": context, "all_visible": model.all_visible(context), "bytes_per_step": nbytes,
+        decodes.append({"context": context, "all_visible": visible, "bytes_per_step": nbytes,
                         "graph_s": graph, "eager_s": eager,
                         "graph_fraction": nbytes / graph / bandwidth, "tokens_per_s": 1 / graph,
                         "replay_vs_eager": float(np.abs(replayed - direct).max() / np.abs(direct).max()),

@@ -641,8 +641,8 @@ class DeepSeekV4Model:
         self.mtp = load_mtp(w, ops, cfg, qat_rounding)
         #: The final streams ``[T, n, D]`` (before the HyperHead) of the last :meth:`forward`, which the MTP reads.
         self.last_stream: Any = None
+        self._choice_from = min(block.attn.choice_from() for block in self.blocks)  # all_visible's bound
         #: One-token forwards as recorded graphs, on backends that record them (else None: plain forwards).
-        self._choice_from = min(block.attn.choice_from() for block in self.blocks)
         self.decode_graphs = (DecodeGraphs(ops.backend, self.decode_step, variant=self.all_visible)
                               if ops.backend.graphs else None)
 
