@@ -56,10 +56,10 @@ def decode_plan(recipe: str, layers: int, shapes: dict[str, int] = FLASH, contex
             coff = 2 if ratio == s["csa_ratio"] else 1
             plan += [Matrix(p + "attn_compressor_kv", "F16", coff * hd, D),
                      Matrix(p + "attn_compressor_gate", "F16", coff * hd, D)]
-        if ratio == s["csa_ratio"] and choosing:
-            plan += [Matrix(p + "indexer.attn_q_b", "F16", s["index_heads"] * s["index_dim"], s["q_lora"]),
-                     Matrix(p + "indexer.proj", "F16", s["index_heads"], D)]
         if ratio == s["csa_ratio"]:
+            if choosing:
+                plan += [Matrix(p + "indexer.attn_q_b", "F16", s["index_heads"] * s["index_dim"], s["q_lora"]),
+                         Matrix(p + "indexer.proj", "F16", s["index_heads"], D)]
             plan += [Matrix(p + "indexer_compressor_kv", "F16", 2 * s["index_dim"], D),
                      Matrix(p + "indexer_compressor_gate", "F16", 2 * s["index_dim"], D)]
         plan += [Matrix(p + "attn_output_a", "Q8_0", s["o_lora"], s["heads"] * hd // s["o_groups"], s["o_groups"]),
