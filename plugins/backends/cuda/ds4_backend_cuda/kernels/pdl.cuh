@@ -7,6 +7,9 @@
 // Past the wait, the kernel lets its own successor launch: that one's blocks take free slots and run up to their
 // own grid_wait() (a GEMV: its first weight loads) while this kernel works. The successor's wait still covers all
 // of this kernel's writes, and it cannot launch before every block here has started, so nothing here is crowded out.
+// The release never comes before the wait: a successor released earlier may start before this kernel's predecessor
+// has ended, and its own wait covers only this kernel's writes, so it could read that predecessor's output stale
+// through L1 (expert ids read so gave illegal addresses in recorded steps: docs/performance.md, session 57).
 __device__ __forceinline__ void grid_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
