@@ -93,6 +93,24 @@ def test_every_programmatically_launched_kernel_waits_before_its_work():
     assert run.index("fetch(row, ks") < run.index("grid_wait();") < run.index("stage[slot] = buf[i]")
 
 
+def test_a_kernel_lets_its_successor_launch_only_after_its_own_wait():
+    """``grid_wait`` waits, then releases the successor, and no kernel source releases it elsewhere: a successor
+    released before the wait may start before the kernel two back has ended, and read its output stale (pdl.cuh)."""
+    from importlib import resources
+
+    release, wait = "griddepcontrol.launch_dependents", "griddepcontrol.wait"
+    body = source("pdl.cuh").split("void grid_wait()", 1)[1].split("}", 1)[0]
+    assert body.index(wait) < body.index(release)
+    names = [f.name for f in resources.files("ds4_backend_cuda").joinpath("kernels").iterdir()
+             if f.name.endswith((".cu", ".cuh"))]
+    assert "pdl.cuh" in names and "quant_int8.cu" in names
+    for name in names:
+        text = re.sub(r"//.*", "", source(name))
+        expected = 1 if name == "pdl.cuh" else 0
+        assert text.count(release) == expected, f"{name} releases its successor outside grid_wait()"
+        assert text.count("cudaTriggerProgrammaticLaunchCompletion") == 0, name
+
+
 @pytest.mark.gpu
 def test_programmatic_launches_give_the_plain_launches_results_in_a_recorded_step(cuda_backend, monkeypatch):
     """A chain of dependent kernels (each reads the last one's output) recorded as a graph with programmatic edges
