@@ -14,7 +14,9 @@ whose tests fail is left out of the timings, with the tests' last lines printed.
 version's weight kernels alone (``decode_gemvs.py``), a column a version, before the replays. ``--profile`` also
 traces decode steps of the smaller file with each version (``profile_step.py``, the environment's
 ``DS4_CUDA_PDL`` as given: ``DS4_CUDA_PDL=0`` for each kernel's own time) and prints each kernel's µs a step, a column
-a version: where a change's time went.
+a version: where a change's time went. ``--timeline N`` also lists, for each version, the last N kernels of one
+traced step of the smaller file in order (``profile_step.py --timeline``: each one's start, µs and gap): when
+kernels overlap, which one a change made wait.
 
 ``export REF DIR`` writes the backend's and the model plugin's files (its code, not its shipped data) at git revision
 REF into DIR, run where the repository's history is (the device machine gets the working tree without it): ``python
@@ -23,7 +25,7 @@ in ``.git/info/exclude``, travels to the device when named in its carry), then t
 installed, ``python benchmarks/side_by_side.py /tmp/f12.gguf /tmp/f4.gguf .ab/main``.
 
 Usage: python benchmarks/side_by_side.py FILE FILE VERSION [VERSION ...] [--replays 100] [--rounds 2]
-       [--alternations 2] [--prompt-tokens 2048] [--tests FILE ...] [--alone] [--profile]
+       [--alternations 2] [--prompt-tokens 2048] [--tests FILE ...] [--alone] [--profile] [--timeline [N]]
        python benchmarks/side_by_side.py export REF DIR
 (the first needs a GPU with the CUDA backend; export needs git.)
 """
@@ -115,6 +117,21 @@ def step_times(output: str) -> dict[str, float]:
     return times
 
 
+def timeline_rows(output: str, last: int) -> list[str]:
+    """``profile_step.py --timeline``'s header and the last ``last`` of the rows under it (``start us  us  gap us
+    kernel``); none when the output has no timeline."""
+    lines = output.splitlines()
+    header = next((i for i, line in enumerate(lines) if line.split()[:3] == ["start", "us", "us"]), None)
+    if header is None:
+        return []
+    rows = []
+    for line in lines[header + 1:]:
+        if not re.fullmatch(r"\s*-?[0-9.]+\s+[0-9.]+\s+-?[0-9.]+  \S.*", line):
+            break
+        rows.append(line)
+    return [lines[header], *rows[-last:]] if last > 0 else []
+
+
 def kernel_table(labels: list[str], times: list[dict[str, float]], title: str) -> str:
     """One row a kernel (in the order the versions first report them), one column of µs a version under ``title``;
     '-' where a version lacks it."""
@@ -153,6 +170,9 @@ def main() -> None:
     parser.add_argument("--alone", action="store_true", help="also time each version's weight kernels alone")
     parser.add_argument("--profile", action="store_true",
                         help="also trace the smaller file's steps with each version: each kernel's µs a step")
+    parser.add_argument("--timeline", type=int, nargs="?", const=24, default=0, metavar="N",
+                        help="also list the last N kernels (24 without N) of a traced step of the smaller file, in "
+                             "order, with each version")
     args = parser.parse_args()
     big, small, span = by_layers(args.files)
     with tempfile.TemporaryDirectory() as tmp:
@@ -185,6 +205,16 @@ def main() -> None:
         if args.profile:
             table(PROFILE, [str(small), "--prompt-tokens", str(args.prompt_tokens), "--steps", "3", "--top", "60"],
                   step_times, f"{small.name}: kernel, µs a step")
+        if args.timeline:
+            for label, root in roots:
+                done = run_with(root, [sys.executable, str(PROFILE), str(small), "--prompt-tokens",
+                                       str(args.prompt_tokens), "--steps", "3", "--top", "0", "--timeline"])
+                rows = timeline_rows(done.stdout, args.timeline)
+                if done.returncode or not rows:
+                    raise SystemExit(f"{PROFILE.name} --timeline failed with {label}:\n{done.stdout}"
+                                     f"{done.stderr[-3000:]}")
+                print(f"# {label}: the last {len(rows) - 1} kernels of a step of {small.name}", *rows, sep="\n",
+                      flush=True)
         print(f"{'version':40s} {big.name:>10s} {small.name:>10s} {'µs/layer':>9s}")
         for _ in range(args.alternations):
             for label, root in roots:

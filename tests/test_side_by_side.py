@@ -120,3 +120,21 @@ def test_step_times_reads_the_profile_table_and_the_table_lines_versions_up(side
     assert lines[0].startswith("f4.gguf: kernel, µs a step") and lines[0].split()[-2:] == ["installed", "v"]
     assert lines[3].split()[-2:] == ["25.40", "20.10"]
     assert lines[4].split()[-2:] == ["-", "12.40"]
+
+
+def test_timeline_rows_keeps_the_header_and_the_last_rows_of_the_step(side_by_side):
+    output = ("f4.gguf: decode at 1024 tokens, graph replay: True; 73 kernels per step, GPU busy 0.981 ms per step\n"
+              "  us/step per step  mean us  kernel\n"
+              "Session.feed + argmax: 0.864 ms per token (untraced); beyond the GPU's busy time: -0.122 ms\n"
+              " start us      us  gap us  kernel\n"
+              "      0.0    0.80    0.00  Memcpy HtoD (Pageable -> Device)\n"
+              "    115.8    1.92  115.04  void dequant_rows<F16>(unsigned char const*, long long, int\n"
+              "    133.8    1.54   -0.13  step_index\n"
+              "    681.0   11.30    6.69  Memcpy DtoH (Device -> Pageable)\n"
+              "2026-12-04T18:18:14Z [info     ] engine closed\n")
+    rows = side_by_side.timeline_rows(output, 2)
+    assert rows == [" start us      us  gap us  kernel", "    133.8    1.54   -0.13  step_index",
+                    "    681.0   11.30    6.69  Memcpy DtoH (Device -> Pageable)"]
+    assert len(side_by_side.timeline_rows(output, 24)) == 5  # the header and all four rows
+    assert side_by_side.timeline_rows(output, 0) == []
+    assert side_by_side.timeline_rows("  us/step per step  mean us  kernel\n", 5) == []
