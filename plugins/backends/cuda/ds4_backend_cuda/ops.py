@@ -39,8 +39,9 @@ def _float_rows(raw: Any, qtype: str, ncols: int) -> Any:
     return (raw.view(cp.uint16).reshape(-1, ncols).astype(cp.uint32) << 16).view(F32)
 
 
-def dequantize_rows(raw: Any, qtype: str, ncols: int, rows: Any = None) -> Any:
-    """Rows ``rows`` (int32 ``[n]``, or all) of a raw tensor ``[R, row bytes]`` as float32 ``[n, ncols]``."""
+def dequantize_rows(raw: Any, qtype: str, ncols: int, rows: Any = None, plain: bool = False) -> Any:
+    """Rows ``rows`` (int32 ``[n]``, or all) of a raw tensor ``[R, row bytes]`` as float32 ``[n, ncols]``; ``plain``:
+    launched without the programmatic attribute (:mod:`.launch`)."""
     if ncols % 8:
         values = _float_rows(raw, qtype, ncols)
         return values if rows is None else values[rows]
@@ -49,9 +50,9 @@ def dequantize_rows(raw: Any, qtype: str, ncols: int, rows: Any = None) -> Any:
     units = n * ncols // 8
     if units:
         rows_arg = np.uint64(0) if rows is None else cp.ascontiguousarray(rows, dtype=cp.int32)
-        quant_kernel("dequant_rows", qtype)(
-            ((units + _THREADS - 1) // _THREADS,), (_THREADS,),
-            (raw, _i64(raw.shape[1]), _i32(ncols), rows_arg, _i32(n), out))
+        kernel = quant_kernel("dequant_rows", qtype)
+        (kernel.raw if plain else kernel)(((units + _THREADS - 1) // _THREADS,), (_THREADS,),
+                                          (raw, _i64(raw.shape[1]), _i32(ncols), rows_arg, _i32(n), out))
     return out
 
 
@@ -90,8 +91,10 @@ def matmul_raw(x: Any, raw: Any, qtype: str, ncols: int) -> Any:
 
 
 def embed(w: Weight, ids: Any) -> Any:
-    """Rows ``ids`` (int ``[T]``) of the table ``w`` ``[V, D]`` -> ``[T, D]``."""
-    return dequantize_rows(w.data, w.qtype, w.shape[-1], cp.asarray(ids, dtype=cp.int32).reshape(-1))
+    """Rows ``ids`` (int ``[T]``) of the table ``w`` ``[V, D]`` -> ``[T, D]``. A decode step's first launch, so a plain
+    one: with the programmatic attribute, the replayed step's next kernel started 10-15 µs after it ended, and steps
+    took 3-4 µs longer (docs/performance.md, session 59)."""
+    return dequantize_rows(w.data, w.qtype, w.shape[-1], cp.asarray(ids, dtype=cp.int32).reshape(-1), plain=True)
 
 
 def linear(x: Any, w: Weight) -> Any:
