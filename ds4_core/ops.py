@@ -67,7 +67,8 @@ def swiglu(gate: np.ndarray, up: np.ndarray, limit: float) -> np.ndarray:
     if limit > 0:
         gate = np.minimum(gate, F32(limit))
         up = np.clip(up, F32(-limit), F32(limit))
-    return (gate / (1 + np.exp(-gate)) * up).astype(F32)
+    with np.errstate(over="ignore"):  # e^-gate -> inf for very negative gates: silu's exact limit, 0
+        return (gate / (1 + np.exp(-gate)) * up).astype(F32)
 
 
 def topk(scores: np.ndarray, k: int) -> np.ndarray:

@@ -14,8 +14,10 @@ from .backend import Weight
 F32 = np.float32
 
 
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return (1 / (1 + np.exp(-x))).astype(F32)
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """``1 / (1 + e^-x)`` in float32; ``e^-x`` overflowing to infinity for very negative ``x`` gives the exact 0."""
+    with np.errstate(over="ignore"):
+        return (1 / (1 + np.exp(-x))).astype(F32)
 
 
 def _hc_mix(S: np.ndarray, fn: Weight, norm_eps: float) -> np.ndarray:
@@ -36,8 +38,8 @@ def hc_pre(S: np.ndarray, fn: Weight, scale: Weight, base: Weight, iters: int, e
     n = S.shape[1]
     mix = _hc_mix(S, fn, norm_eps)
     b, s = base.data, scale.data
-    pre = _sigmoid(mix[:, :n] * s[0] + b[:n]) + F32(eps)
-    post = 2 * _sigmoid(mix[:, n:2 * n] * s[1] + b[n:2 * n])
+    pre = sigmoid(mix[:, :n] * s[0] + b[:n]) + F32(eps)
+    post = 2 * sigmoid(mix[:, n:2 * n] * s[1] + b[n:2 * n])
     logits = mix[:, 2 * n:].reshape(-1, n, n) * s[2] + b[2 * n:].reshape(n, n)
     comb = np.exp(logits - logits.max(axis=-1, keepdims=True))
     comb = comb / comb.sum(axis=-1, keepdims=True) + F32(eps)
@@ -59,7 +61,7 @@ def hc_post(S: np.ndarray, y: np.ndarray, post: np.ndarray, comb: np.ndarray) ->
 
 def hc_head(S: np.ndarray, fn: Weight, scale: Weight, base: Weight, eps: float, norm_eps: float) -> np.ndarray:
     """Final collapse of the streams: ``S [T, n, D]``, ``fn [n, n·D]``, ``scale [1]``, ``base [n]`` -> ``[T, D]``."""
-    w = _sigmoid(_hc_mix(S, fn, norm_eps) * scale.data[0] + base.data) + F32(eps)
+    w = sigmoid(_hc_mix(S, fn, norm_eps) * scale.data[0] + base.data) + F32(eps)
     return np.einsum("tn,tnd->td", w, S, dtype=F32)
 
 

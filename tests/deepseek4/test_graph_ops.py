@@ -292,3 +292,12 @@ def test_swiglu_clamps_gate_above_and_up_on_both_sides():
     silu = lambda v: v / (1 + np.exp(-v))  # noqa: E731
     expected = [silu(-3.0) * -1.0, silu(0.2) * 0.3, silu(1.0) * 1.0]
     np.testing.assert_allclose(ops.swiglu(gate, up, 1.0), expected, rtol=1e-6)
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_sigmoid_and_swiglu_of_very_negative_inputs_are_zero_without_warnings():
+    x = np.array([-1000.0, -100.0, 0.0, 100.0], dtype=np.float32)
+    np.testing.assert_array_equal(ops_hc.sigmoid(x), torch.sigmoid(t(x)).numpy())
+    expected = torch.nn.functional.silu(t(x)).numpy() * 2
+    np.testing.assert_allclose(ops.swiglu(x, np.full_like(x, 2.0), 0.0), expected, rtol=1e-6, atol=0)
+    assert ops.swiglu(x, np.ones_like(x), 0.0)[0] == 0.0

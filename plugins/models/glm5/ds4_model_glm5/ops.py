@@ -11,6 +11,7 @@ import numpy as np
 
 from ds4_core.backend import Weight
 from ds4_core.ops import topk
+from ds4_core.ops_hc import sigmoid
 
 F32 = np.float32
 
@@ -32,7 +33,7 @@ def moe_route_sigmoid(logits: np.ndarray, bias: Weight | None, k: int, routed_sc
     lowest id). Weights are the chosen *unbiased* scores, renormalised to sum 1 when ``normalize``, times
     ``routed_scale``.
     """
-    scores = (1 / (1 + np.exp(-np.asarray(logits, dtype=F32)))).astype(F32)
+    scores = sigmoid(np.asarray(logits, dtype=F32))
     choice = scores + bias.data if bias is not None else scores
     if n_group > 1:
         T, E = choice.shape

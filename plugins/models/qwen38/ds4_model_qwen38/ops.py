@@ -8,12 +8,9 @@ from __future__ import annotations
 import numpy as np
 
 from ds4_core.backend import Weight
+from ds4_core.ops_hc import sigmoid
 
 F32 = np.float32
-
-
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return (1 / (1 + np.exp(-x))).astype(F32)
 
 
 def rope_half(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
@@ -47,12 +44,12 @@ def hc_mix(H: np.ndarray, norm: Weight, down: Weight, up: Weight, inject: Weight
     Hn = H / np.sqrt(np.mean(H * H, axis=-1, keepdims=True) + F32(eps)) * norm.data.reshape(n, D)
     flat = Hn.reshape(T, n * D)
     a = np.matmul(flat, down.data.T, dtype=F32) / F32(n)
-    a = a * _sigmoid(a)
-    m = _sigmoid(np.matmul(a, up.data.T, dtype=F32)).reshape(T, n, D)
+    a = a * sigmoid(a)
+    m = sigmoid(np.matmul(a, up.data.T, dtype=F32)).reshape(T, n, D)
     x = np.mean(m * Hn, axis=1, dtype=F32)
     if inject is None:
         return x, None
-    return x, 2 * _sigmoid(np.matmul(flat, inject.data.T, dtype=F32) / F32(n))
+    return x, 2 * sigmoid(np.matmul(flat, inject.data.T, dtype=F32) / F32(n))
 
 
 def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
