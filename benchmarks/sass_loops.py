@@ -24,6 +24,9 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+from ds4_backend_cuda.modules import program
+from ds4_backend_cuda.nvcc_build import build_cubin, matches, nvcc
+
 #: One instruction line of ``cuobjdump -sass``: its address, then the instruction up to the ``;``.
 _INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _FUNCTION = re.compile(r"^\s*Function\s*:\s*(\S+)")
@@ -62,16 +65,6 @@ def loops(code: list[tuple[int, str]]) -> list[tuple[int, int, list[str]]]:
     return sorted(found, key=lambda loop: loop[1] - loop[0])
 
 
-def instance(kernel: str) -> str:
-    """A line that makes nvcc compile the template instance ``kernel`` (nothing for a plain ``extern "C"`` name)."""
-    return f"void* ds4_instance = (void*)&{kernel};\n" if "<" in kernel else ""
-
-
-def matches(kernel: str, mangled: str) -> bool:
-    """Whether the mangled name is the kernel's (its name and every identifier among its template arguments)."""
-    return all(word in mangled for word in re.findall(r"[A-Za-z_]\w*", kernel))
-
-
 def _cuobjdump(given: str | None) -> str:
     if given:
         return given
@@ -93,16 +86,11 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=12, help="opcodes listed a loop")
     parser.add_argument("--cuobjdump", help="path of cuobjdump (default: on PATH, else Triton's copy)")
     args = parser.parse_args()
-    from ds4_backend_cuda.modules import program
-
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
+    if nvcc() is None:
         raise SystemExit("no nvcc on PATH: this needs CUDA's compiler (no GPU)")
     with tempfile.TemporaryDirectory() as tmp:
-        src, cubin = Path(tmp) / "module.cu", Path(tmp) / "module.cubin"
-        src.write_text(program(*args.sources) + "\n" + instance(args.kernel))
-        built = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", str(cubin),
-                                str(src)], capture_output=True, text=True)
+        cubin = Path(tmp) / "module.cubin"
+        built = build_cubin(program(*args.sources), [args.kernel], "sm_90", cubin, ("-Xptxas", "-v"))
         if built.returncode:
             raise SystemExit(f"nvcc failed:\n{built.stderr.strip()}")
         sass = subprocess.run([_cuobjdump(args.cuobjdump), "-sass", str(cubin)], capture_output=True, text=True,

@@ -116,13 +116,18 @@ def _expression(kernel: str, qtype: str) -> str:
     return _kernels(qtype)[kernel].replace("Q", qtype, 1)
 
 
+def quant_program(qtype: str) -> tuple[str, list[str]]:
+    """The source text of ``qtype``'s quant module and its kernels' name expressions."""
+    names = [_expression(kernel, qtype) for kernel in _kernels(qtype)]
+    return program("quant.cu", *(("quant_int8.cu",) if qtype in INT8_TYPES else ())), names
+
+
 @functools.cache
 def quant_module(qtype: str) -> Any:
     """The compiled ``quant.cu`` (+ ``quant_int8.cu``) with the kernels of ``qtype`` (IQ2_XXS: tables filled in)."""
     import cupy
 
-    names = [_expression(kernel, qtype) for kernel in _kernels(qtype)]
-    code = program("quant.cu", *(("quant_int8.cu",) if qtype in INT8_TYPES else ()))
+    code, names = quant_program(qtype)
     module = cupy.RawModule(code=code, options=_OPTIONS, name_expressions=names)
     if qtype == "IQ2_XXS":
         write_global(module, "iq2xxs_i8_words", iq2xxs_int8_words(fill_iq2xxs_grid(module)))
@@ -171,8 +176,30 @@ def quant_kernel(kernel: str, qtype: str) -> Kernel:
     return Kernel(quant_module(qtype).get_function(_expression(kernel, qtype)))
 
 
+#: The prefill kernels' 16-bit types (``"f16"``, ``"bf16"``) -> their names in ``prefill.cu``.
+HALF_TYPES: dict[str, str] = {"f16": "Half", "bf16": "BHalf"}
+#: Sources of a weight format's prefill module (:mod:`.prefill`), after the shared headers.
+PREFILL_SOURCES: tuple[str, ...] = ("quant.cu", "prefill.cu", "moe_tile.cu", "prefill_attend.cu")
+#: The prefill module's template kernels of a 16-bit type alone.
+PREFILL_HALF_KERNELS: tuple[str, ...] = ("to16", "rope_to16", "swiglu16", "rows_to16")
+
+
+def prefill_kernels(qtype: str) -> list[str]:
+    """Name expressions of ``qtype``'s prefill module: the 16-bit dequantizers, the portable expert tiles
+    (``moe_mma16``) and their shared-memory sizes, and the 16-bit kernels of :data:`PREFILL_HALF_KERNELS`."""
+    halves = HALF_TYPES.values()
+    return [*(f"dequant16<{qtype}, {o}>" for o in halves),
+            *(f"moe_mma16<{qtype}, {o}, {nw}>" for o in halves for nw in (1, 2)),
+            *(f"tile_smem<{qtype}, {nw}>" for nw in (1, 2)),
+            *(f"{k}<{o}>" for k in PREFILL_HALF_KERNELS for o in halves)]
+
+
 #: Column-register bounds the delta-rule kernel is instantiated for (a head's key width must fit one of them).
 DELTA_RULE_DK: tuple[int, ...] = (16, 32, 64, 128, 256)
+
+
+#: The kernels of ``recurrent.cu``: ``short_conv``, then ``delta_rule`` for each of :data:`DELTA_RULE_DK`.
+RECURRENT_KERNELS: tuple[str, ...] = ("short_conv", *(f"delta_rule<{dk}>" for dk in DELTA_RULE_DK))
 
 
 @functools.cache
@@ -180,9 +207,9 @@ def recurrent_module() -> Any:
     """The compiled ``recurrent.cu``: ``short_conv`` and ``delta_rule<DK>`` for each of :data:`DELTA_RULE_DK`."""
     import cupy
 
-    templates = [f"delta_rule<{dk}>" for dk in DELTA_RULE_DK]
+    templates = RECURRENT_KERNELS[1:]
     module = cupy.RawModule(code=source("recurrent.cu"), options=_OPTIONS, name_expressions=templates)
-    for name in ("short_conv", *templates):  # short_conv is extern "C": found by its plain name
+    for name in RECURRENT_KERNELS:  # short_conv is extern "C": found by its plain name
         module.get_function(name)
     return module
 
@@ -249,3 +276,17 @@ def warm() -> None:
 
     with ThreadPoolExecutor(max_workers=len(QUANT_TYPES) + 1) as pool:
         list(pool.map(build, (*QUANT_TYPES, None)))
+
+
+def portable_programs() -> dict[str, tuple[str, list[str]]]:
+    """Every module the backend compiles through NVRTC for the device's own architecture, by a name: its source text
+    and its kernels' name expressions. The sm_90a module (``moe_wgmma.cu``, :func:`sm90a_module`) is not one of them:
+    it runs on compute capability 9.0 alone."""
+    programs = {}
+    for qtype in QUANT_TYPES:
+        programs[f"quant {qtype}"] = quant_program(qtype)
+        programs[f"prefill {qtype}"] = (program(*PREFILL_SOURCES), prefill_kernels(qtype))
+    programs["glue"] = (program(*GLUE_SOURCES), list(GLUE_KERNELS))
+    programs["recurrent"] = (source("recurrent.cu"), list(RECURRENT_KERNELS))
+    programs["sample"] = (source("sample.cu"), list(SAMPLE_KERNELS))
+    return programs

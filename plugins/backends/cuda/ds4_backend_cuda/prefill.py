@@ -34,7 +34,17 @@ from cupy_backends.cuda.libs import cublas
 from ds4_core.backend import Weight
 from ds4_core.errors import BackendError
 
-from .modules import fill_iq2xxs_grid, iq2xxs_codes, program, sm90a_module, write_global
+from .modules import (
+    HALF_TYPES,
+    PREFILL_HALF_KERNELS,
+    PREFILL_SOURCES,
+    fill_iq2xxs_grid,
+    iq2xxs_codes,
+    prefill_kernels,
+    program,
+    sm90a_module,
+    write_global,
+)
 
 F32 = cp.float32
 #: Weight format -> the 16-bit type its tiles are dequantized to (others: "f16").
@@ -54,7 +64,6 @@ _OP_N, _OP_T = 0, 1
 _COMPUTE_32F = 68  # CUBLAS_COMPUTE_32F: fp32 accumulation
 _GEMM_DEFAULT = -1
 _POINTER_MODE_DEVICE = 1
-_OUT_TYPE = {"f16": "Half", "bf16": "BHalf"}
 _THREADS = 256
 _MMA_TILE = 64  # rows and tokens of an expert tile, and its column step (MMA_BM, MMA_BN, MMA_BK in moe_tile.cu)
 _TILE_ALIGN = 128  # tile rows rounded down to a multiple of this (cuBLAS tile shapes)
@@ -80,13 +89,8 @@ def half_of(qtype: str) -> str:
 @functools.cache
 def _module(qtype: str) -> Any:
     """quant.cu + prefill.cu with the 16-bit dequantizer of ``qtype`` and the shared prefill kernels."""
-    names = [f"dequant16<{qtype}, {o}>" for o in _OUT_TYPE.values()]
-    names += [f"moe_mma16<{qtype}, {o}, {nw}>" for o in _OUT_TYPE.values() for nw in (1, 2)]
-    names += [f"tile_smem<{qtype}, {nw}>" for nw in (1, 2)]
-    names += [f"{k}<{o}>" for k in ("to16", "rope_to16", "swiglu16", "rows_to16") for o in _OUT_TYPE.values()]
-    module = cp.RawModule(code=program("quant.cu", "prefill.cu", "moe_tile.cu", "prefill_attend.cu"),
-                          options=("--std=c++17",),
-                          name_expressions=names)
+    module = cp.RawModule(code=program(*PREFILL_SOURCES), options=("--std=c++17",),
+                          name_expressions=prefill_kernels(qtype))
     if qtype == "IQ2_XXS":
         _fill_iq2xxs_tables(module)
     return module
@@ -99,7 +103,7 @@ def _fill_iq2xxs_tables(module: Any) -> None:
 @functools.cache
 def _wgmma_module(qtype: str) -> Any:
     """quant.cu + prefill.cu + moe_tile.cu + moe_wgmma.cu for sm_90a with ``moe_wgmma16`` of ``qtype``."""
-    names = [f"moe_wgmma16<{qtype}, {o}, {nw}>" for o in _OUT_TYPE.values() for nw in (1, 2)]
+    names = [f"moe_wgmma16<{qtype}, {o}, {nw}>" for o in HALF_TYPES.values() for nw in (1, 2)]
     names += [f"tile_smem<{qtype}, {nw}>" for nw in (1, 2)]
     try:
         module = sm90a_module(program("quant.cu", "prefill.cu", "moe_tile.cu", "moe_wgmma.cu"), names)
@@ -124,7 +128,7 @@ def _tile_kernel_of(qtype: str, half: str, nw: int, core: str) -> Any:
     smem = cp.zeros(1, dtype=cp.int32)
     module.get_function(f"tile_smem<{qtype}, {nw}>")((1,), (1,), (smem,))
     nbytes = int(smem.get()[0])
-    kernel = module.get_function(f"moe_{core}16<{qtype}, {_OUT_TYPE[half]}, {nw}>")
+    kernel = module.get_function(f"moe_{core}16<{qtype}, {HALF_TYPES[half]}, {nw}>")
     if core == "wgmma":  # a driver function of the sm_90a cubin
         cp.cuda.driver.funcSetAttribute(kernel.ptr, cp.cuda.driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                         nbytes)
@@ -160,12 +164,12 @@ def _shared(name: str) -> Any:
 def warm(qtypes: tuple[str, ...]) -> None:
     """Compile (or load from CuPy's cache) the prefill kernels of ``qtypes`` now rather than at the first prompt."""
     for qtype in qtypes:
-        for half, o in _OUT_TYPE.items():
+        for half, o in HALF_TYPES.items():
             _kernel(qtype, f"dequant16<{qtype}, {o}>")
             for nw in (1, 2):
                 _tile_kernel(qtype, half, nw)
     for name in ("gather16", "scatter_pairs", "sum_pairs", "amax_abs", "moe_tiles", "index_scores16", "attend16",
-                 *(f"{k}<{o}>" for k in ("to16", "rope_to16", "swiglu16", "rows_to16") for o in _OUT_TYPE.values())):
+                 *(f"{k}<{o}>" for k in PREFILL_HALF_KERNELS for o in HALF_TYPES.values())):
         _shared(name)
 
 
@@ -185,7 +189,7 @@ def dequantize16(raw: Any, qtype: str, ncols: int, half: str, out: Any, matrix_r
     units = nrows * ncols // 8
     if units == 0 or groups == 0:
         return
-    kernel = _kernel(qtype, f"dequant16<{qtype}, {_OUT_TYPE[half]}>")
+    kernel = _kernel(qtype, f"dequant16<{qtype}, {HALF_TYPES[half]}>")
     kernel((-(-units // _THREADS), groups), (_THREADS,),
            (raw, _i64(nrows * row_bytes), _i64(row_bytes), _i32(nrows), _i32(ncols),
             np.uint64(0) if experts is None else experts, _i64(out_stride), out))
@@ -204,7 +208,7 @@ def to16(x: Any, half: str, k64: bool = False) -> tuple[Any, Any]:
     alpha_beta, amax = cp.empty(2, dtype=F32), cp.zeros(1, dtype=F32)
     n = x.size
     _shared("amax_abs")((max(1, min(_AMAX_BLOCKS, -(-n // (4 * _THREADS)))),), (_THREADS,), (x, _i64(n), amax))
-    _shared(f"to16<{_OUT_TYPE[half]}>")((max(1, -(-n // (8 * _THREADS))),), (_THREADS,),
+    _shared(f"to16<{HALF_TYPES[half]}>")((max(1, -(-n // (8 * _THREADS))),), (_THREADS,),
                                         (x, _i64(n), amax, out, alpha_beta, _i32(k64)))
     return out, alpha_beta
 
@@ -220,7 +224,7 @@ def rope_to16(x: Any, half: str, positions: Any, inv_freq: Any, bound_of: Any, f
     _shared("amax_abs")((max(1, min(_AMAX_BLOCKS, -(-bound_of.size // (4 * _THREADS)))),), (_THREADS,),
                         (bound_of, _i64(bound_of.size), amax))
     d, n = x.shape[-1], x.size
-    _shared(f"rope_to16<{_OUT_TYPE[half]}>")((max(1, -(-n // (8 * _THREADS))),), (_THREADS,), (
+    _shared(f"rope_to16<{HALF_TYPES[half]}>")((max(1, -(-n // (8 * _THREADS))),), (_THREADS,), (
         x, _i64(n), _i32(d), _i32(inv_freq.shape[0]), *rope_args(positions, inv_freq)[:2], _i32(n // d // x.shape[0]),
         amax, F32(factor), out, alpha_beta))
     return out, alpha_beta
@@ -605,7 +609,7 @@ def _moe_fused(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, pa
         hs, alpha = none, cp.full(1, 1.0 / s16, dtype=F32)
     else:
         hs, alpha = cp.empty(rows, dtype=F32), cp.ones(1, dtype=F32)
-        _shared(f"rows_to16<{_OUT_TYPE[down_half]}>")((rows,), (_THREADS,), (h, _i32(inter), h16, hs))
+        _shared(f"rows_to16<{HALF_TYPES[down_half]}>")((rows,), (_THREADS,), (h, _i32(inter), h16, hs))
     _tile_kernel(down_exps.qtype, down_half, 1)(
         (D // _MMA_TILE, max_tiles), (128,),
         (down_exps.data, none, _i64(D * down_exps.data.shape[-1]), _i64(down_exps.data.shape[-1]), _i32(D),
@@ -634,7 +638,7 @@ def _expert_group(x16: Any, alpha_beta: Any, one_zero: Any, gate_exps: Weight, u
     _shared("gather16")(grid_rows, (128,), (x16, _i32(D), pairs, _i32(k), seg_off, seg_cnt, _i32(m_pad), xp))
     _gemm_nt(w_gu, gu_half, xp, gu.data.ptr, 2 * inter, m_pad, D, 2 * inter, alpha_beta, n, 2 * inter * D,
              m_pad * D, m_pad * 2 * inter)
-    _shared(f"swiglu16<{_OUT_TYPE[down_half]}>")(grid_rows, (_THREADS,),
+    _shared(f"swiglu16<{HALF_TYPES[down_half]}>")(grid_rows, (_THREADS,),
                                                  (gu, _i32(inter), F32(limit), seg_cnt, _i32(m_pad), h, hs))
     _gemm_nt(w_down, down_half, h, y.data.ptr, D, m_pad, inter, D, one_zero, n, D * inter, m_pad * inter,
              m_pad * D)
