@@ -207,7 +207,7 @@ def recurrent_module() -> Any:
     """The compiled ``recurrent.cu``: ``short_conv`` and ``delta_rule<DK>`` for each of :data:`DELTA_RULE_DK`."""
     import cupy
 
-    templates = RECURRENT_KERNELS[1:]
+    templates = list(RECURRENT_KERNELS[1:])
     module = cupy.RawModule(code=source("recurrent.cu"), options=_OPTIONS, name_expressions=templates)
     for name in RECURRENT_KERNELS:  # short_conv is extern "C": found by its plain name
         module.get_function(name)
