@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from ds4_backend_cuda import plugin
-from ds4_backend_cuda.probe import probe
+from ds4_backend_cuda.probe import device_verdict, probe
 
 from ds4_core.descriptors import BackendSpec, KernelSpec
 from ds4_core.ops import CORE_OPS
@@ -126,3 +126,13 @@ def test_importing_the_plugin_and_probing_leave_cupy_unimported():
 def test_probe_gives_a_reason_either_way():
     ok, reason = probe()
     assert isinstance(ok, bool) and len(reason) > 10
+
+
+def test_device_verdict_refuses_devices_below_ampere_with_the_numbers():
+    info = {"count": 1, "name": "Tesla T4", "cc": [7, 5], "cupy": "14.2.0"}
+    ok, reason = device_verdict(info)
+    assert not ok and "Tesla T4" in reason and "7.5" in reason and "8.0" in reason
+    ok, reason = device_verdict({**info, "name": "NVIDIA A100", "cc": [8, 0]})
+    assert ok and reason == "NVIDIA A100 (compute capability 8.0), CuPy 14.2.0"
+    ok, reason = device_verdict({**info, "count": 0})
+    assert not ok and "CUDA_VISIBLE_DEVICES" in reason

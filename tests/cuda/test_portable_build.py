@@ -1,4 +1,4 @@
-"""Every kernel module builds for compute capability 8.0, the backend's floor, with nvcc and no GPU.
+"""Every kernel module builds for compute capability 8.0, the backend's floor (the probe's), with nvcc and no GPU.
 
 The GPU tests run on Hopper, where a Hopper-only instruction outside its guard (``kernels/pdl.cuh``) would pass
 unseen; code built for sm_80 runs on every 8.x device. The builds take the text and the kernel names that the backend
@@ -12,18 +12,21 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from ds4_backend_cuda.modules import portable_programs, program
 from ds4_backend_cuda.nvcc_build import build_cubin, functions, instances, matches, nvcc
+from ds4_backend_cuda.probe import MIN_COMPUTE_CAPABILITY
 
 needs_nvcc = pytest.mark.skipif(nvcc() is None, reason="needs CUDA's nvcc (no GPU)")
+FLOOR = "sm_{}{}".format(*MIN_COMPUTE_CAPABILITY)
 
 
 @needs_nvcc
-def test_every_module_builds_for_sm80_with_every_kernel(tmp_path):
+def test_every_module_builds_for_the_probes_floor_with_every_kernel(tmp_path):
+    assert FLOOR == "sm_80"
     programs = portable_programs()
 
     def build(name):
         code, kernels = programs[name]
         cubin = tmp_path / f"{name.replace(' ', '_')}.cubin"
-        done = build_cubin(code, kernels, "sm_80", cubin)
+        done = build_cubin(code, kernels, FLOOR, cubin)
         return done, functions(cubin.read_bytes()) if done.returncode == 0 else []
 
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
@@ -34,6 +37,14 @@ def test_every_module_builds_for_sm80_with_every_kernel(tmp_path):
                for name, (_, found) in built.items()}
     assert not any(missing.values()), missing
     assert len(programs) == 23  # 10 formats' quant and prefill modules, glue, recurrent, sample
+
+
+@needs_nvcc
+def test_the_prefill_module_needs_the_floor(tmp_path):
+    """Below 8.0 the prefill's tiles do not build, so a Turing device must be refused by the probe, not by NVRTC."""
+    code, kernels = portable_programs()["prefill F16"]
+    done = build_cubin(code, kernels, "sm_75", tmp_path / "prefill.cubin")
+    assert done.returncode != 0 and "requires .target sm_80" in done.stderr
 
 
 @needs_nvcc
