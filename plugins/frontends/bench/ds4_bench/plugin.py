@@ -120,7 +120,9 @@ def _write_gguf(path: Path, synthetic: str, recipe: str, layers: int | None) -> 
     from .flash_gguf import write_flash_gguf
 
     write_flash_gguf(path, layers, recipe)
-    click.echo(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB, {layers} layers, recipe {recipe}); time it with:")
+    plural = "s" if layers != 1 else ""
+    click.echo(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB, {layers} layer{plural}, recipe {recipe}); "
+               "time it with:")
     click.echo(f"  ds4 bench -m {path} --prompt-tokens 2048 --decode-tokens 32")
 
 
