@@ -5,7 +5,7 @@ also get the integer decode kernels of ``quant_int8.cu``, compiled after ``quant
 formats compile in parallel threads and a process that needs one format compiles only that one; the recurrent-layer
 kernels, the small glue kernels of a decode step and the sampling kernels are three more modules. CuPy keys its
 on-disk kernel cache by source text and options, so an unchanged source compiles once per machine; :func:`warm`
-forces that at load time rather than at the first token.
+forces that, the prefill's modules included, at load time rather than at the first prompt.
 """
 
 from __future__ import annotations
@@ -260,10 +260,15 @@ def sample_module() -> Any:
 
 
 def warm() -> None:
-    """Compile (or load from CuPy's cache) every module now, in parallel."""
+    """Compile (or load from CuPy's cache) every module now, in parallel: a thread a format for its decode kernels
+    and, unless ``DS4_CUDA_PREFILL=32``, its tensor-core prefill kernels; one more for the rest."""
     import cupy
 
+    from . import prefill
+    from .numerics import tensor_core_prefill
+
     device = cupy.cuda.Device().id
+    with_prefill = tensor_core_prefill()
 
     def build(qtype: str | None) -> None:
         with cupy.cuda.Device(device):
@@ -273,6 +278,8 @@ def warm() -> None:
                 sample_module()
             else:
                 quant_module(qtype)
+                if with_prefill:
+                    prefill.warm(qtype)
 
     with ThreadPoolExecutor(max_workers=len(QUANT_TYPES) + 1) as pool:
         list(pool.map(build, (*QUANT_TYPES, None)))

@@ -156,21 +156,26 @@ def _kernel(qtype: str, name: str) -> Any:
     return _module(qtype).get_function(name)
 
 
+#: The format whose module also holds the kernels every format shares (:func:`_shared`).
+SHARED_QTYPE = "F16"
+
+
 def _shared(name: str) -> Any:
-    """A kernel that does not depend on the weight format (compiled with the F16 module)."""
-    return _kernel("F16", name)
+    """A kernel that does not depend on the weight format (compiled with the :data:`SHARED_QTYPE` module)."""
+    return _kernel(SHARED_QTYPE, name)
 
 
-def warm(qtypes: tuple[str, ...]) -> None:
-    """Compile (or load from CuPy's cache) the prefill kernels of ``qtypes`` now rather than at the first prompt."""
-    for qtype in qtypes:
-        for half, o in HALF_TYPES.items():
-            _kernel(qtype, f"dequant16<{qtype}, {o}>")
-            for nw in (1, 2):
-                _tile_kernel(qtype, half, nw)
-    for name in ("gather16", "scatter_pairs", "sum_pairs", "amax_abs", "moe_tiles", "index_scores16", "attend16",
-                 *(f"{k}<{o}>" for k in PREFILL_HALF_KERNELS for o in HALF_TYPES.values())):
-        _shared(name)
+def warm(qtype: str) -> None:
+    """Compile (or load from CuPy's cache) the prefill kernels of ``qtype`` now rather than at the first prompt:
+    its dequantizers and expert tiles, and with :data:`SHARED_QTYPE` the kernels every format shares."""
+    for half, o in HALF_TYPES.items():
+        _kernel(qtype, f"dequant16<{qtype}, {o}>")
+        for nw in (1, 2):
+            _tile_kernel(qtype, half, nw)
+    if qtype == SHARED_QTYPE:
+        for name in ("gather16", "scatter_pairs", "sum_pairs", "amax_abs", "moe_tiles", "index_scores16", "attend16",
+                     *(f"{k}<{o}>" for k in PREFILL_HALF_KERNELS for o in HALF_TYPES.values())):
+            _shared(name)
 
 
 def dequantize16(raw: Any, qtype: str, ncols: int, half: str, out: Any, matrix_rows: int = 0,
