@@ -82,7 +82,9 @@ class Backend:
         return None
 
     def memory_info(self) -> dict[str, int]:
-        """Bytes in use / peak on the device, where known."""
+        """Bytes on the device as far as the backend knows them (empty: nothing known): ``used`` by its arrays,
+        ``peak`` the most ``used`` has been, ``reserved`` by its allocator's cache, ``free`` and ``total`` of the
+        whole device (every allocator and the context). ``ds4 bench -m`` reports them."""
         return {}
 
     def numerics(self) -> dict[str, str]:

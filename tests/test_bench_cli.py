@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -136,8 +137,48 @@ def test_bench_model_file_end_to_end_on_numpy():
     assert len(runs) == 3 and r["prefill_tokens_per_s"] == pytest.approx(16 / sorted(runs)[1])
     assert r["eager_decode_tokens_per_s"] > 0
     assert "graph_decode_tokens_per_s" not in r  # numpy records no graphs
-    assert r["device_bytes_after_prefill"] is None  # no device memory to count
+    assert r["memory_after_load"] == r["memory_after_prefill"] == {}  # numpy counts no device memory
     assert r["context"] == 22 and r["state_bytes"] > 0 and r["state_bytes_per_1k_tokens"] > 0
+
+
+def test_bench_model_file_reports_the_memory_the_metal_backend_holds():
+    """MLX counts its arrays (on Linux, on its CPU device): the weights after the load against the file's tensors,
+    and what the backend holds after the prefill with its peak."""
+    from importlib import resources
+
+    pytest.importorskip("mlx.core")
+    model = Path(str(resources.files("ds4_model_deepseek4").joinpath("data", "tiny-deepseek4.gguf")))
+    # a process of its own: MLX counts every array of the process, and the other tests' would count too
+    result = subprocess.run([sys.executable, "-m", "ds4_core.cli", "bench", "-m", str(model), "--backend", "metal",
+                             "--prompt-tokens", "16", "--decode-tokens", "2", "--repeats", "1"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    weights = re.search(r"weights on the device ([\d.]+) GB for ([\d.]+) GB of tensors in the file \(([\d.]+)x\)",
+                        result.stdout)
+    assert weights, result.stdout
+    ratio = float(weights[3])
+    assert 1.0 <= ratio < 1.25  # raw blocks and a few float32 constants, no dequantized copies
+    held = re.search(r"memory the backend holds: ([\d.]+) GB after the prefill \(peak so far ([\d.]+) GB\)",
+                     result.stdout)
+    assert held and float(held[2]) >= float(held[1]) >= float(weights[1]), result.stdout
+
+
+def test_measurement_report_gives_the_whole_device_where_the_backend_knows_it(capsys):
+    from ds4_bench.engine_decode import print_measurement
+
+    gb = 10**9
+    r = {"model": "m.gguf", "backend": "cuda", "prompt_tokens": 8, "prefill_tokens_per_s": 100.0,
+         "prefill_seconds": [0.08], "file_tensor_bytes": 4 * gb, "decode_tokens": 4,
+         "eager_decode_tokens_per_s": 10.0, "graph_decode_tokens_per_s": 50.0, "graph_replayed": True,
+         "state_bytes": 2**20, "context": 14, "state_bytes_per_1k_tokens": 2**20, "numerics": {},
+         "memory_after_load": {"used": 4 * gb + 4 * 10**6, "reserved": 5 * gb, "free": 70 * gb, "total": 80 * gb},
+         "memory_after_prefill": {"used": 4 * gb, "reserved": 6 * gb, "free": 73 * gb, "total": 80 * gb},
+         "memory_after_graph_decode": {"used": 4 * gb, "reserved": 6 * gb, "free": 72.5 * gb, "total": 80 * gb}}
+    print_measurement(r)
+    out = capsys.readouterr().out.splitlines()
+    assert "  weights on the device 4.004 GB for 4.000 GB of tensors in the file (1.001x)" in out
+    assert out[-1] == ("  device memory in use (all allocators and the context): 7.000 GB after the prefill, "
+                       "7.500 GB after the graph decode")
 
 
 def test_bench_model_file_must_exist(tmp_path):
@@ -159,8 +200,8 @@ def test_measurement_report_names_the_arithmetic(capsys):
 
     r = {"model": "m.gguf", "backend": "cuda", "prompt_tokens": 8, "prefill_tokens_per_s": 100.0,
          "prefill_seconds": [0.09, 0.08, 0.07],
-         "device_weight_bytes": None, "decode_tokens": 4, "eager_decode_tokens_per_s": 10.0, "state_bytes": 2**20,
-         "context": 14, "state_bytes_per_1k_tokens": 2**20, "device_bytes_after_prefill": None,
+         "memory_after_load": {}, "decode_tokens": 4, "eager_decode_tokens_per_s": 10.0, "state_bytes": 2**20,
+         "context": 14, "state_bytes_per_1k_tokens": 2**20, "memory_after_prefill": {},
          "numerics": {"decode activations": "int8 (DS4_CUDA_INT8=0: float32)", "prefill matmuls": "fp16"}}
     print_measurement(r)
     lines = capsys.readouterr().out.splitlines()

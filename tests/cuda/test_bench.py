@@ -138,3 +138,27 @@ def test_bench_times_the_whole_flash_through_its_graph(cuda_backend):
     assert 0 < d["graph_s"] < d["eager_s"] and 0 < d["graph_fraction"] <= 1
     assert p["tokens"] == 256 and len(p["runs"]) == 3 and 0 < p["fraction_of_matmul_roof"] <= 1
     assert d["device_used_bytes"] > e["weights_device_bytes"]
+
+
+def test_bench_model_file_on_cuda_reports_the_weights_and_the_whole_device(cuda_backend):
+    """``ds4 bench -m`` through Engine on the GPU: the pool holds the file's raw blocks after the load (a few constants
+    more), and the device's own count (every allocator and the context) follows the prefill and the graph decode."""
+    import json
+    import subprocess
+    import sys
+    from importlib import resources
+    from pathlib import Path
+
+    model = Path(str(resources.files("ds4_model_deepseek4").joinpath("data", "tiny-deepseek4.gguf")))
+    # a process of its own: CuPy's pool is the process's, and this one's other tests hold arrays in it
+    result = subprocess.run([sys.executable, "-m", "ds4_core.cli", "bench", "-m", str(model), "--prompt-tokens", "64",
+                             "--decode-tokens", "8", "--repeats", "2", "--json"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    r = json.loads(result.stdout[result.stdout.index("{"):])
+    loaded, prefill, decode = r["memory_after_load"], r["memory_after_prefill"], r["memory_after_graph_decode"]
+    assert r["file_tensor_bytes"] <= loaded["used"] < 1.25 * r["file_tensor_bytes"]
+    for m in (loaded, prefill, decode):
+        assert set(m) == {"used", "reserved", "free", "total"} and m["used"] <= m["reserved"]
+        assert 0 < m["free"] < m["total"] - m["reserved"]
+    assert r["graph_replayed"] is True and r["graph_decode_tokens_per_s"] > 0

@@ -43,7 +43,6 @@ class CudaBackend(Backend):
         self.device = cupy.cuda.Device(device)
         self.device.use()
         self.options = options
-        self._peak = 0
         #: Decode steps replay CUDA graphs unless ``DS4_CUDA_GRAPHS=0``.
         self.graphs = os.environ.get("DS4_CUDA_GRAPHS", "1") != "0"
         #: Per thread (the server runs sessions on worker threads), the streams that run the second, third ...
@@ -66,7 +65,6 @@ class CudaBackend(Backend):
                                f"that needs {nbytes}; the file is damaged")
         rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
         data = cupy.asarray(host.reshape(rows, nbytes // rows))
-        self._note_peak()
         return Weight(name, qtype, tuple(shape), data)
 
     def asarray(self, a: Any, dtype: Any = None) -> Any:
@@ -89,16 +87,11 @@ class CudaBackend(Backend):
         a few candidates instead of the row; None (the host samples) for custom stages or an unbounded chain."""
         return sample_row(row, sampler)
 
-    def _note_peak(self) -> None:
-        self._peak = max(self._peak, self.xp.get_default_memory_pool().used_bytes())
-
     def memory_info(self) -> dict[str, int]:
-        """Bytes in CuPy's pool (``used``, ``reserved``), the peak ``used`` seen, the device's ``free``/``total``."""
+        """Bytes in CuPy's pool (``used``, ``reserved``) and the device's ``free``/``total``; CuPy keeps no peak."""
         pool = self.xp.get_default_memory_pool()
-        self._note_peak()
         free, total = self.xp.cuda.runtime.memGetInfo()
-        return {"used": pool.used_bytes(), "reserved": pool.total_bytes(), "peak": self._peak,
-                "free": free, "total": total}
+        return {"used": pool.used_bytes(), "reserved": pool.total_bytes(), "free": free, "total": total}
 
     def numerics(self) -> dict[str, str]:
         """int8 decode activations and 16-bit prefill matmuls, or float32 ones (``numerics.numerics``)."""

@@ -8,6 +8,7 @@ vocabulary (speed does not depend on their values, except through routing).
 
 from __future__ import annotations
 
+import gc
 import time
 from pathlib import Path
 from typing import Any
@@ -27,39 +28,23 @@ def _decode(session: Any, first: int, tokens: int) -> float:
     return time.perf_counter() - start
 
 
-def _used_device_bytes(backend: str) -> int | None:
-    """Bytes in use in CuPy's pool (after a collection, so dead arrays do not count), or None off the GPU."""
-    if backend != "cuda":
-        return None
-    import gc
-
-    import cupy
-
+def _memory(engine: Any) -> dict[str, int]:
+    """The backend's memory figures (``Backend.memory_info``) after a collection, so dead arrays do not count."""
     gc.collect()
-    return cupy.get_default_memory_pool().used_bytes()
-
-
-def device_in_use(backend: str) -> int | None:
-    """Bytes of device memory in use by every allocator and the context (total − free), or None off the GPU."""
-    if backend != "cuda":
-        return None
-    import cupy
-
-    free, total = cupy.cuda.runtime.memGetInfo()
-    return total - free
+    return engine.backend.memory_info()
 
 
 def measure(path: Path, backend: str = "cuda", prompt_tokens: int = 512, decode_tokens: int = 64,
             seed: int = 0, prefill_runs: int = 5) -> dict[str, Any]:
     """Prefill t/s of ``prompt_tokens`` (the median of ``prefill_runs`` timed prefills, each in a new session) and
-    decode t/s over ``decode_tokens`` steps, graphs on and off."""
+    decode t/s over ``decode_tokens`` steps, graphs on and off. The memory figures are the process's allocators', so
+    the weights' are true in a process of its own, as ``ds4 bench -m`` runs."""
     from ds4_core.engine import Engine
 
-    before = _used_device_bytes(backend)
     ctx = prompt_tokens + decode_tokens + 2
     engine = Engine.load(path, backend=backend, ctx=ctx)
     try:
-        weights = _used_device_bytes(backend) - before if before is not None else None
+        loaded = _memory(engine)  # in a new process, the weights and the model's constants
         ids = np.random.default_rng(seed).integers(0, engine.tokenizer.vocab_size, prompt_tokens + 1)
         warm = engine.new_session()  # compile and load the kernels of both paths (a whole prefill chunk) first
         warm.feed(ids[:min(warm.prefill_chunk, prompt_tokens)], logits="last")
@@ -77,13 +62,13 @@ def measure(path: Path, backend: str = "cuda", prompt_tokens: int = 512, decode_
                   "decode_tokens": decode_tokens, "prefill_tokens_per_s": prompt_tokens / prefill,
                   "prefill_seconds": runs,
                   "file_tensor_bytes": sum(t.nbytes for t in engine.gguf.tensors.values()),
-                  "device_weight_bytes": weights, "device_bytes_after_prefill": device_in_use(backend),
+                  "memory_after_load": loaded, "memory_after_prefill": _memory(engine),
                   "context": ctx, "state_bytes": engine.model.state_nbytes(ctx), "numerics": engine.backend.numerics(),
                   "state_bytes_per_1k_tokens": engine.model.state_nbytes(ctx + 1024) - engine.model.state_nbytes(ctx)}
         if graphs is not None:
             result["graph_decode_tokens_per_s"] = decode_tokens / _decode(session, int(ids[-1]), decode_tokens)
             result["graph_replayed"] = graphs.replays(session.state)
-            result["device_bytes_after_graph_decode"] = device_in_use(backend)
+            result["memory_after_graph_decode"] = _memory(engine)
             session.restore(snap)
             engine.model.decode_graphs = None
         result["eager_decode_tokens_per_s"] = decode_tokens / _decode(session, int(ids[-1]), decode_tokens)
@@ -104,10 +89,10 @@ def print_measurement(r: dict[str, Any]) -> None:
     print(f"{r['model']} on {r['backend']}: prefill {r['prompt_tokens']} tokens at {r['prefill_tokens_per_s']:.1f} t/s "
           f"(median of {len(runs)}: {min(runs) * 1e3:.2f}-{max(runs) * 1e3:.2f} ms a prefill)")
     print_numerics(r.get("numerics", {}))
-    if r["device_weight_bytes"] is not None:
-        ratio = r["device_weight_bytes"] / r["file_tensor_bytes"]
-        print(f"  weights on the device {r['device_weight_bytes'] / 1e9:.3f} GB for {r['file_tensor_bytes'] / 1e9:.3f} "
-              f"GB of tensors in the file ({ratio:.3f}x)")
+    weights = r["memory_after_load"].get("used")
+    if weights is not None:
+        print(f"  weights on the device {weights / 1e9:.3f} GB for {r['file_tensor_bytes'] / 1e9:.3f} GB of tensors in "
+              f"the file ({weights / r['file_tensor_bytes']:.3f}x)")
     line = f"  decode {r['decode_tokens']} tokens after them: eager {r['eager_decode_tokens_per_s']:.1f} t/s"
     if "graph_decode_tokens_per_s" in r:
         line += (f", graph replay {r['graph_decode_tokens_per_s']:.1f} t/s "
@@ -118,7 +103,22 @@ def print_measurement(r: dict[str, Any]) -> None:
     print(line)
     print(f"  decoding state: {r['state_bytes'] / 2**20:.2f} MiB for the {r['context']}-token context, "
           f"+{r['state_bytes_per_1k_tokens'] / 2**20:.2f} MiB per 1K tokens")
-    if r["device_bytes_after_prefill"] is not None:
-        prefill, after = r["device_bytes_after_prefill"], r.get("device_bytes_after_graph_decode")
-        line = f"  device memory in use (all allocators and the context): {prefill / 1e9:.3f} GB after the prefill"
-        print(line + (f", {after / 1e9:.3f} GB after the graph decode" if after else ""))
+    memory_line = _memory_line(r["memory_after_prefill"], r.get("memory_after_graph_decode"))
+    if memory_line:
+        print(memory_line)
+
+
+def _memory_line(prefill: dict[str, int], decode: dict[str, int] | None) -> str:
+    """What the device holds after the prefill (and the graph decode), as far as the backend knows: all allocators
+    and the context (CUDA), or the backend's own arrays and their peak (MLX); empty where it knows nothing."""
+    def gb(n: int) -> str:
+        return f"{n / 1e9:.3f} GB"
+
+    if "free" in prefill and "total" in prefill:
+        line = f"  device memory in use (all allocators and the context): {gb(prefill['total'] - prefill['free'])} "
+        return line + "after the prefill" + (f", {gb(decode['total'] - decode['free'])} after the graph decode"
+                                            if decode else "")
+    if "used" in prefill:
+        peak = f" (peak so far {gb(prefill['peak'])})" if "peak" in prefill else ""
+        return f"  memory the backend holds: {gb(prefill['used'])} after the prefill{peak}"
+    return ""
