@@ -9,13 +9,14 @@ import textwrap
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ds4_core import PLUGIN_API_VERSION, hookspecs
 from ds4_core.descriptors import BackendSpec, KernelSpec, ModelSpec, resolve
 from ds4_core.errors import PluginError
 from ds4_core.hookspecs import hookimpl
-from ds4_core.testing import check_registry, fresh_plugin_manager
+from ds4_core.testing import assert_kernels_match, check_registry, fresh_plugin_manager
 
 GPU_MODULES = ("cupy", "mlx", "hip", "torch", "transformers")
 
@@ -112,6 +113,33 @@ def test_kernel_without_numpy_reference_is_reported():
 
     pm = fresh_plugin_manager(make_plugin("k", register_kernels=register_kernels))
     assert any("no numpy reference" in p for p in check_registry(pm.registry))
+
+
+def unclamped_swiglu(gate, up, limit):
+    """A swiglu kernel that forgets its limit."""
+    from ds4_core.ops import swiglu
+
+    return swiglu(gate, up, 0.0)
+
+
+def _swiglu_case(rng):
+    gate, up = (rng.normal(0, 8, (4, 64)).astype(np.float32) for _ in range(2))
+    return (gate, up, 7.0), {}
+
+
+def test_assert_kernels_match_passes_a_real_kernel_and_names_the_op_of_a_wrong_one():
+    mx = pytest.importorskip("mlx.core")
+
+    def register_kernels(register):
+        register(KernelSpec("swiglu", "unclamped", f"{__name__}:unclamped_swiglu"))
+
+    registry = fresh_plugin_manager(make_plugin("k", register_kernels=register_kernels),
+                                    load_entrypoints=True).registry
+    assert ("swiglu", "metal") in registry.kernels
+    assert_kernels_match(registry, "metal", {"swiglu": _swiglu_case}, to_backend=mx.array, to_numpy=np.array)
+    with pytest.raises(AssertionError, match="op 'swiglu' output 0 on backend 'unclamped'"):
+        assert_kernels_match(registry, "unclamped", {"swiglu": _swiglu_case}, to_backend=np.asarray,
+                             to_numpy=np.asarray)
 
 
 def test_model_ops_must_exist():
