@@ -23,7 +23,6 @@ from ds4_core.backend import Backend, Ops, Weight, WeightLoader
 from ds4_core.errors import ModelConfigError
 from ds4_core.quants import dequantize
 
-from .engine_decode import device_in_use
 from .flash_gguf import PlannedTensor, ProgressBar, flash_config, tensor_bytes, tensor_plan
 from .synthetic_deepseek4 import MODEL, decode_plan
 from .synthetic_plan import prefill_plan, read_bytes
@@ -105,6 +104,12 @@ def backend_ops(name: str = "cuda") -> tuple[Backend, Ops]:
     return backend, bound_ops(registry, name, backend)
 
 
+def _device_in_use(backend: Backend) -> int:
+    """Bytes of device memory in use by every allocator and the context (``memory_info``'s total less free)."""
+    info = backend.memory_info()
+    return info["total"] - info["free"]
+
+
 def _timed(fn: Callable[[], Any], backend: Backend) -> float:
     backend.synchronize()
     start = time.perf_counter()
@@ -164,7 +169,7 @@ def engine_results(recipe: str, layers: int, contexts: Sequence[int], prefill_to
         flops = sum(m.flops(n) * m.calls for m in dense) + sum(r.flops(n) * r.calls for r in routed)
         prefills.append({"tokens": n, "seconds": seconds, "runs": runs, "tokens_per_s": n / seconds,
                          "fraction_of_matmul_roof": flops / seconds / matmul_rate,
-                         "device_used_bytes": device_in_use("cuda")})
+                         "device_used_bytes": _device_in_use(backend)})
         pool.free_all_blocks()
     decodes = []
     for context in contexts:
@@ -183,7 +188,7 @@ def engine_results(recipe: str, layers: int, contexts: Sequence[int], prefill_to
                         "graph_s": graph, "eager_s": eager,
                         "graph_fraction": nbytes / graph / bandwidth, "tokens_per_s": 1 / graph,
                         "replay_vs_eager": float(np.abs(replayed - direct).max() / np.abs(direct).max()),
-                        "device_used_bytes": device_in_use("cuda")})
+                        "device_used_bytes": _device_in_use(backend)})
     return {"layers": layers, "full_layers": MODEL.layers, "weights_device_bytes": weights,
             "weights_plan_bytes": total,
             "prefill_chunk": chunk, "prefill": prefills, "decode": decodes, "seconds": time.perf_counter() - t0}
