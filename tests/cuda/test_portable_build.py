@@ -2,7 +2,8 @@
 
 The GPU tests run on Hopper, where a Hopper-only instruction outside its guard (``kernels/pdl.cuh``) would pass
 unseen; code built for sm_80 runs on every 8.x device. The builds take the text and the kernel names that the backend
-hands NVRTC (``modules.portable_programs``). Dynamic shared memory is a launch-time limit, not checked here."""
+hands NVRTC (``modules.portable_programs``; the Hopper modules' ``modules.wgmma_kernels``). Dynamic shared memory is a
+launch-time limit, not checked here."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from ds4_backend_cuda.modules import portable_programs, program
+from ds4_backend_cuda.modules import QUANT_TYPES, WGMMA_SOURCES, portable_programs, program, wgmma_kernels
 from ds4_backend_cuda.nvcc_build import build_cubin, functions, instances, matches, nvcc
 from ds4_backend_cuda.probe import MIN_COMPUTE_CAPABILITY
 
@@ -18,15 +19,12 @@ needs_nvcc = pytest.mark.skipif(nvcc() is None, reason="needs CUDA's nvcc (no GP
 FLOOR = "sm_{}{}".format(*MIN_COMPUTE_CAPABILITY)
 
 
-@needs_nvcc
-def test_every_module_builds_for_the_probes_floor_with_every_kernel(tmp_path):
-    assert FLOOR == "sm_80"
-    programs = portable_programs()
-
+def _build_all(programs: dict[str, tuple[str, list[str]]], arch: str, tmp_path) -> None:
+    """Builds every program for ``arch`` in parallel; asserts each built and holds every kernel it names."""
     def build(name):
         code, kernels = programs[name]
         cubin = tmp_path / f"{name.replace(' ', '_')}.cubin"
-        done = build_cubin(code, kernels, FLOOR, cubin)
+        done = build_cubin(code, kernels, arch, cubin)
         return done, functions(cubin.read_bytes()) if done.returncode == 0 else []
 
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
@@ -36,7 +34,22 @@ def test_every_module_builds_for_the_probes_floor_with_every_kernel(tmp_path):
     missing = {name: [k for k in programs[name][1] if not any(matches(k, f) for f in found)]
                for name, (_, found) in built.items()}
     assert not any(missing.values()), missing
+
+
+@needs_nvcc
+def test_every_module_builds_for_the_probes_floor_with_every_kernel(tmp_path):
+    assert FLOOR == "sm_80"
+    programs = portable_programs()
     assert len(programs) == 23  # 10 formats' quant and prefill modules, glue, recurrent, sample
+    _build_all(programs, FLOOR, tmp_path)
+
+
+@needs_nvcc
+def test_every_formats_hopper_module_builds_for_sm90a_with_every_kernel(tmp_path):
+    """The sm_90a modules (``moe_wgmma16``), which the backend compiles for compute capability 9.0 at load, one a
+    format."""
+    code = program(*WGMMA_SOURCES)
+    _build_all({qtype: (code, wgmma_kernels(qtype)) for qtype in QUANT_TYPES}, "sm_90a", tmp_path)
 
 
 @needs_nvcc

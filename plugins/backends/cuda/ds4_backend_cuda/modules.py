@@ -184,14 +184,29 @@ PREFILL_SOURCES: tuple[str, ...] = ("quant.cu", "prefill.cu", "moe_tile.cu", "pr
 PREFILL_HALF_KERNELS: tuple[str, ...] = ("to16", "rope_to16", "swiglu16", "rows_to16")
 
 
+#: Sources of a weight format's sm_90a module (``moe_wgmma16``, :func:`sm90a_module`), after the shared headers.
+WGMMA_SOURCES: tuple[str, ...] = ("quant.cu", "prefill.cu", "moe_tile.cu", "moe_wgmma.cu")
+
+
+def _tile_kernels(core: str, qtype: str) -> list[str]:
+    """The expert tiles ``moe_<core>16`` of ``qtype`` (both 16-bit types, one or two matrices) and their
+    shared-memory sizes."""
+    return [*(f"moe_{core}16<{qtype}, {o}, {nw}>" for o in HALF_TYPES.values() for nw in (1, 2)),
+            *(f"tile_smem<{qtype}, {nw}>" for nw in (1, 2))]
+
+
 def prefill_kernels(qtype: str) -> list[str]:
     """Name expressions of ``qtype``'s prefill module: the 16-bit dequantizers, the portable expert tiles
     (``moe_mma16``) and their shared-memory sizes, and the 16-bit kernels of :data:`PREFILL_HALF_KERNELS`."""
     halves = HALF_TYPES.values()
-    return [*(f"dequant16<{qtype}, {o}>" for o in halves),
-            *(f"moe_mma16<{qtype}, {o}, {nw}>" for o in halves for nw in (1, 2)),
-            *(f"tile_smem<{qtype}, {nw}>" for nw in (1, 2)),
+    return [*(f"dequant16<{qtype}, {o}>" for o in halves), *_tile_kernels("mma", qtype),
             *(f"{k}<{o}>" for k in PREFILL_HALF_KERNELS for o in halves)]
+
+
+def wgmma_kernels(qtype: str) -> list[str]:
+    """Name expressions of ``qtype``'s sm_90a module: the Hopper expert tiles (``moe_wgmma16``) and their
+    shared-memory sizes."""
+    return _tile_kernels("wgmma", qtype)
 
 
 #: Column-register bounds the delta-rule kernel is instantiated for (a head's key width must fit one of them).

@@ -38,11 +38,13 @@ from .modules import (
     HALF_TYPES,
     PREFILL_HALF_KERNELS,
     PREFILL_SOURCES,
+    WGMMA_SOURCES,
     fill_iq2xxs_grid,
     iq2xxs_codes,
     prefill_kernels,
     program,
     sm90a_module,
+    wgmma_kernels,
     write_global,
 )
 
@@ -103,10 +105,8 @@ def _fill_iq2xxs_tables(module: Any) -> None:
 @functools.cache
 def _wgmma_module(qtype: str) -> Any:
     """quant.cu + prefill.cu + moe_tile.cu + moe_wgmma.cu for sm_90a with ``moe_wgmma16`` of ``qtype``."""
-    names = [f"moe_wgmma16<{qtype}, {o}, {nw}>" for o in HALF_TYPES.values() for nw in (1, 2)]
-    names += [f"tile_smem<{qtype}, {nw}>" for nw in (1, 2)]
     try:
-        module = sm90a_module(program("quant.cu", "prefill.cu", "moe_tile.cu", "moe_wgmma.cu"), names)
+        module = sm90a_module(program(*WGMMA_SOURCES), wgmma_kernels(qtype))
     except RuntimeError as error:
         raise BackendError(f"{error}; {WGMMA_ENV}=0 runs the routed experts on the portable kernels") from error
     if qtype == "IQ2_XXS":
