@@ -85,7 +85,8 @@ def sparse_attention(q: np.ndarray, kv: np.ndarray, idx: np.ndarray, sinks: Weig
 
     ``q [T, H, d]``; ``kv [N, d]`` serves as keys and values; ``idx`` int ``[T, K]`` lists the rows query t
     sees (``-1`` = none). ``sinks [H]`` (or ``None``) are per-head logits that join the softmax
-    denominator without a value. Scores are ``(q·k) · scale``. Returns ``[T, H, d]``.
+    denominator without a value. Scores are ``(q·k) · scale``. Returns ``[T, H, d]``; a query that sees no
+    row gets zeros with sinks and NaN without (an empty softmax), as the backends' kernels do.
     """
     out = np.empty(q.shape, dtype=F32)
     for start in range(0, q.shape[0], _QUERY_BLOCK):  # bounds the gathered [block, K, d] rows
@@ -108,7 +109,8 @@ def _attend(q: np.ndarray, kv: np.ndarray, idx: np.ndarray, sinks: Weight | None
     denom = p.sum(axis=-1, keepdims=True)
     if sinks is not None:
         denom = denom + np.exp(sink - peak)
-    return np.einsum("thk,tkd->thd", p / denom, rows, dtype=F32)
+    with np.errstate(invalid="ignore"):  # 0/0 for a query that sees nothing and has no sink: NaN, documented
+        return np.einsum("thk,tkd->thd", p / denom, rows, dtype=F32)
 
 
 def indexer_scores(q: np.ndarray, keys: np.ndarray, head_weights: np.ndarray, scale: float) -> np.ndarray:

@@ -211,6 +211,16 @@ def test_sparse_attention_matches_transformers_eager_with_sinks(T):
     np.testing.assert_allclose(got, expected[0].numpy(), rtol=1e-5, atol=1e-6)
 
 
+def test_sparse_attention_of_a_query_that_sees_nothing_is_zero_with_sinks_and_nan_without(recwarn):
+    q, kv = randn(2, 3, 8), randn(5, 8)
+    idx = np.array([[-1, -1], [0, 3]], dtype=np.int32)
+    with_sinks = ops.sparse_attention(q, kv, idx, W(randn(3)), 8 ** -0.5)
+    without = ops.sparse_attention(q, kv, idx, None, 8 ** -0.5)
+    np.testing.assert_array_equal(with_sinks[0], 0)
+    assert np.isnan(without[0]).all() and np.isfinite(without[1]).all()
+    assert not recwarn.list  # the empty softmax is the documented result, not a numpy warning
+
+
 def test_softmax_pool_is_a_per_channel_softmax_and_ignores_minus_inf_slots():
     kv, gate = randn(3, 8, 6), randn(3, 8, 6)
     gate[0, :4] = -np.inf
