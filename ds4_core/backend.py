@@ -18,6 +18,7 @@ import numpy as np
 from .errors import BackendError
 
 if TYPE_CHECKING:
+    from .gguf import TensorInfo
     from .sampling import Sampler
 
 
@@ -93,7 +94,13 @@ class Backend:
         return {}
 
     def free_memory(self) -> int | None:
-        """Bytes still available for decoding state on this backend's device (``None``: unknown)."""
+        """Bytes still available on this backend's device (``None``: unknown). ``Engine.load`` checks the weights
+        against it before it uploads them, and the decoding state after."""
+        return None
+
+    def weights_nbytes(self, tensors: Iterable[TensorInfo]) -> int | None:
+        """Bytes :meth:`upload` keeps for these GGUF tensors (``None``: unknown, and ``Engine.load`` checks
+        nothing before loading)."""
         return None
 
     def release_scratch(self) -> None:

@@ -21,14 +21,18 @@ import numpy as np
 from .backend import Backend, Ops, WeightLoader
 from .chat import ChatFormat, StreamEvent, Thinking
 from .descriptors import BackendSpec, ModelSpec, resolve
-from .errors import BackendError, ContextError, Ds4Error, ModelConfigError
+from .errors import BackendError, ContextError, DeviceMemoryError, Ds4Error, ModelConfigError
 from .gguf import GGUFFile
 from .log import get_logger
 from .model import Model, copy_state, restore_state_into
 from .plugins import PluginManager, Registry, get_plugin_manager
 from .sampling import Sampler, SamplingParams
+from .sizes import human_bytes
 from .stops import StopScanner
 from .tokenizer import Tokenizer
+
+_MEMORY_ADVICE = ("close what else holds that memory, or use a smaller quantization of the model, another backend "
+                  "(--backend) or a device with more memory")
 
 
 @attrs.frozen
@@ -138,10 +142,21 @@ class Engine:
             tokenizer = Tokenizer.from_metadata(gguf.metadata)
             chat_format = resolve(spec.chat)() if spec.chat else None
             total = sum(t.nbytes for t in gguf.tensors.values())
+            need, free = be.weights_nbytes(gguf.tensors.values()), be.free_memory()
+            if need is not None and free is not None and need > free:
+                raise DeviceMemoryError(f"{path.name}: its weights take {human_bytes(need)} on {bspec.name}, "
+                                        f"where {human_bytes(free)} is free; {_MEMORY_ADVICE}")
             log = get_logger(model=spec.name, backend=bspec.name, file=path.name)
             t0 = time.perf_counter()
-            with _progress(progress, total, f"loading {path.name}") as report:
-                model = resolve(spec.loader)(gguf, WeightLoader(gguf, be, report), ops, dict(options))
+            loading = _progress(progress, total, f"loading {path.name}")
+            with loading as report:
+                try:
+                    model = resolve(spec.loader)(gguf, WeightLoader(gguf, be, report), ops, dict(options))
+                except MemoryError as exc:  # what the check above could not foresee (other processes, extras)
+                    be.release_scratch()
+                    raise DeviceMemoryError(
+                        f"{path.name}: {bspec.name} ran out of memory after loading {human_bytes(loading.done)} of the "
+                        f"file's {human_bytes(total)} of tensors ({exc}); {_MEMORY_ADVICE}") from exc
             be.synchronize()
             max_ctx = int(model.max_context)
             ctx = min(max_ctx, 4096) if ctx is None else int(ctx)

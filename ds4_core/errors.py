@@ -46,6 +46,10 @@ class ContextError(Ds4Error):
     """A prompt or a requested context does not fit the model or the memory."""
 
 
+class DeviceMemoryError(Ds4Error):
+    """The model's weights do not fit the memory the chosen backend has free."""
+
+
 class ConversionError(Ds4Error):
     """A source checkpoint cannot be converted to GGUF."""
 

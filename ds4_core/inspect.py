@@ -14,14 +14,7 @@ from .console import stdout_console
 from .descriptors import resolve
 from .gguf import GGUFFile
 from .plugins import get_plugin_manager
-
-
-def _human(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if nbytes < 1024 or unit == "TiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
-        nbytes /= 1024
-    return ""
+from .sizes import human_bytes
 
 
 def _count(n: float) -> str:
@@ -52,7 +45,7 @@ def _tokens(n: int) -> str:
 
 def _split(parts: Mapping[str, int]) -> str:
     total = sum(parts.values())
-    return f"{_human(total)} ({total:,} B): " + ", ".join(f"{kind} {_human(n)}" for kind, n in parts.items())
+    return f"{human_bytes(total)} ({total:,} B): " + ", ".join(f"{kind} {human_bytes(n)}" for kind, n in parts.items())
 
 
 def state_summary(breakdown: Callable[[int], Mapping[str, int]], max_context: int) -> dict[str, str]:
@@ -123,7 +116,7 @@ def info_command(path: Path, *, as_json: bool) -> None:
     if summary["name"]:
         head.add_row("name", str(summary["name"]))
     head.add_row("parameters", _count(summary["parameters"]))
-    head.add_row("tensor data", _human(summary["tensor_bytes"]) + f" in {summary['tensors']} tensors")
+    head.add_row("tensor data", human_bytes(summary["tensor_bytes"]) + f" in {summary['tensors']} tensors")
     for key, value in summary["model"].items():
         head.add_row(key, str(value))
     tok = summary["tokenizer"]
@@ -136,7 +129,7 @@ def info_command(path: Path, *, as_json: bool) -> None:
     for col in ("type", "tensors", "parameters", "bytes"):
         types.add_column(col, justify="right" if col != "type" else "left")
     for name, row in summary["types"].items():
-        types.add_row(name, str(row["tensors"]), _count(row["elements"]), _human(row["bytes"]))
+        types.add_row(name, str(row["tensors"]), _count(row["elements"]), human_bytes(row["bytes"]))
     console.print(types)
     meta = Table(title="metadata")
     meta.add_column("key")

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
+from ds4_core.backends.numpy import NumpyBackend
 from ds4_core.chat import ContentDelta
 from ds4_core.engine import Engine
-from ds4_core.errors import BackendError, ContextError, Ds4Error
+from ds4_core.errors import BackendError, ContextError, DeviceMemoryError, Ds4Error
 from ds4_core.sampling import SamplingParams
+from ds4_core.sizes import human_bytes
 from ds4_core.stops import StopScanner
 
 
@@ -157,14 +161,52 @@ def test_stop_scanner_never_shows_a_stop_string(pieces, stops, shown, hit):
 
 
 def test_context_that_does_not_fit_in_memory_is_refused_with_the_numbers(engine, monkeypatch):
-    from ds4_core.backends.numpy import NumpyBackend
-
     need = engine.model.state_nbytes(engine.ctx)
+    monkeypatch.setattr(NumpyBackend, "weights_nbytes", lambda self, tensors: None)  # only the state is checked
     monkeypatch.setattr(NumpyBackend, "free_memory", lambda self: 2 * need - 1)  # the state fits once, not twice
     with pytest.raises(ContextError, match="GiB of decoding state, twice over while a long prompt is fed"):
         Engine.load(engine.path, backend="numpy", ctx=engine.ctx)
     monkeypatch.setattr(NumpyBackend, "free_memory", lambda self: 2 * need)
     Engine.load(engine.path, backend="numpy", ctx=engine.ctx).close()
+
+
+def _counted_uploads(monkeypatch, fail_after: int | None = None) -> list[int]:
+    """Bytes of each array the numpy backend's uploads make; a MemoryError once ``fail_after`` have been made."""
+    held: list[int] = []
+    upload = NumpyBackend.upload
+
+    def counted(self, name, qtype, shape, raw):
+        if len(held) == fail_after:
+            raise MemoryError("Unable to allocate 8.00 MiB for an array")
+        weight = upload(self, name, qtype, shape, raw)
+        held.append(weight.data.nbytes)
+        return weight
+
+    monkeypatch.setattr(NumpyBackend, "upload", counted)
+    return held
+
+
+def test_weights_that_do_not_fit_are_refused_before_any_upload(engine, monkeypatch):
+    need = NumpyBackend().weights_nbytes(engine.gguf.tensors.values())
+    held = _counted_uploads(monkeypatch)
+    Engine.load(engine.path, backend="numpy", ctx=engine.ctx).close()
+    assert sum(held) <= need <= 1.01 * sum(held)  # tables the model keeps on the host are counted, and small
+    held.clear()
+    monkeypatch.setattr(NumpyBackend, "free_memory", lambda self: need - 1)
+    with pytest.raises(DeviceMemoryError, match=re.escape(f"weights take {human_bytes(need)} on numpy, where "
+                                                          f"{human_bytes(need - 1)} is free; close what else")):
+        Engine.load(engine.path, backend="numpy", ctx=engine.ctx)
+    assert held == []
+
+
+def test_running_out_of_memory_while_loading_says_how_far_it_got(engine, monkeypatch):
+    held = _counted_uploads(monkeypatch, fail_after=5)
+    with pytest.raises(DeviceMemoryError, match=r"numpy ran out of memory after loading .+ of the file's .+ of "
+                                                r"tensors \(Unable to allocate 8.00 MiB") as err:
+        Engine.load(engine.path, backend="numpy", ctx=engine.ctx)
+    assert isinstance(err.value.__cause__, MemoryError) and len(held) == 5
+    loaded = sum(t.nbytes for t in list(engine.gguf.tensors.values())[:5])
+    assert f"after loading {human_bytes(loaded)} of" in str(err.value)
 
 
 def test_a_prompt_fed_in_chunks_gives_its_scratch_back(engine, monkeypatch):

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from ..backend import Backend, Weight
 from ..quants import QUANT_NAMES, dequantize
+
+if TYPE_CHECKING:
+    from ..gguf import TensorInfo
+
+_INTEGER_TYPES = ("I8", "I16", "I32", "I64")
 
 
 def probe() -> tuple[bool, str]:
@@ -23,11 +31,15 @@ class NumpyBackend(Backend):
         self.options = options
 
     def upload(self, name: str, qtype: str, shape: tuple[int, ...], raw: np.ndarray) -> Weight:
-        if qtype in ("I32", "I16", "I8", "I64"):
+        if qtype in _INTEGER_TYPES:
             data = np.frombuffer(raw, dtype=np.dtype(qtype.lower().replace("i", "int"))).reshape(shape).copy()
         else:
             data = dequantize(raw, QUANT_NAMES[qtype], shape)
         return Weight(name, qtype, shape, data)
+
+    def weights_nbytes(self, tensors: Iterable[TensorInfo]) -> int:
+        """Every float tensor is dequantized to float32 at upload; integer tensors keep their width."""
+        return sum(t.nbytes if t.type_name in _INTEGER_TYPES else 4 * t.n_elements for t in tensors)
 
     def free_memory(self) -> int | None:
         """``MemAvailable`` of the host (Linux), else unknown."""

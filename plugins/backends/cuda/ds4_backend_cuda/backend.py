@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -18,6 +18,9 @@ from ds4_core.sampling import Sampler
 
 from .modules import QUANT_TYPES, warm
 from .sampling import sample_row
+
+if TYPE_CHECKING:
+    from ds4_core.gguf import TensorInfo
 
 _INTEGER_TYPES = {"I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64}
 
@@ -100,9 +103,16 @@ class CudaBackend(Backend):
         return numerics()
 
     def free_memory(self) -> int:
-        """Bytes the device can still give: free device memory plus blocks CuPy's pool holds but does not use."""
+        """Bytes the device can still give: free device memory plus blocks CuPy's pool holds but does not use, within
+        the pool's limit where one is set (``CUPY_GPU_MEMORY_LIMIT``)."""
+        pool = self.xp.get_default_memory_pool()
         free, _ = self.xp.cuda.runtime.memGetInfo()
-        return free + self.xp.get_default_memory_pool().free_bytes()
+        limit = pool.get_limit()
+        return free + pool.free_bytes() if not limit else min(free + pool.free_bytes(), limit - pool.used_bytes())
+
+    def weights_nbytes(self, tensors: Iterable[TensorInfo]) -> int:
+        """Weights stay as their raw GGUF blocks on the device."""
+        return sum(t.nbytes for t in tensors)
 
     def release_scratch(self) -> None:
         """Free the blocks CuPy's pool caches but no array uses. A long prompt's chunks see a longer context each,

@@ -1,0 +1,12 @@
+"""Byte counts as people read them."""
+
+from __future__ import annotations
+
+
+def human_bytes(nbytes: float) -> str:
+    """``1536`` -> ``"1.50 KiB"``: binary units, two decimals above a KiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if nbytes < 1024 or unit == "TiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
+        nbytes /= 1024
+    return ""
