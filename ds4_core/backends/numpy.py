@@ -16,6 +16,18 @@ if TYPE_CHECKING:
 _INTEGER_TYPES = ("I8", "I16", "I32", "I64")
 
 
+def available_host_memory() -> int | None:
+    """``MemAvailable`` of the host (Linux), else unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def probe() -> tuple[bool, str]:
     """Always available: numpy runs everywhere."""
     return True, f"numpy {np.__version__} on the CPU"
@@ -42,12 +54,4 @@ class NumpyBackend(Backend):
         return sum(t.nbytes if t.type_name in _INTEGER_TYPES else 4 * t.n_elements for t in tensors)
 
     def free_memory(self) -> int | None:
-        """``MemAvailable`` of the host (Linux), else unknown."""
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return None
+        return available_host_memory()

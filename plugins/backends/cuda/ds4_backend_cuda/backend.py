@@ -11,11 +11,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ds4_core.backend import Backend, Weight
+from ds4_core.backends.numpy import available_host_memory
 from ds4_core.errors import BackendError
 from ds4_core.log import get_logger
 from ds4_core.quants import tensor_nbytes
 from ds4_core.sampling import Sampler
 
+from . import host_experts
 from .modules import QUANT_TYPES, warm
 from .sampling import sample_row
 
@@ -51,6 +53,8 @@ class CudaBackend(Backend):
         #: Per thread (the server runs sessions on worker threads), the streams that run the second, third ...
         #: branch of :meth:`concurrently`, made on first use, and how many of them calls in progress hold.
         self._branches = threading.local()
+        #: Tensors :meth:`upload` keeps in pinned host memory (``host_experts.plan``, made by :meth:`weights_nbytes`).
+        self._on_host: set[str] = set()
         warm()
 
     def upload(self, name: str, qtype: str, shape: tuple[int, ...], raw: np.ndarray) -> Weight:
@@ -67,7 +71,10 @@ class CudaBackend(Backend):
             raise BackendError(f"tensor {name}: {host.size} bytes for a {qtype} tensor of shape {shape} "
                                f"that needs {nbytes}; the file is damaged")
         rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
-        data = cupy.asarray(host.reshape(rows, nbytes // rows))
+        if name in self._on_host:
+            data = host_experts.host_array(cupy, self.device.id, host, rows)
+        else:
+            data = cupy.asarray(host.reshape(rows, nbytes // rows))
         return Weight(name, qtype, tuple(shape), data)
 
     def asarray(self, a: Any, dtype: Any = None) -> Any:
@@ -111,8 +118,11 @@ class CudaBackend(Backend):
         return free + pool.free_bytes() if not limit else min(free + pool.free_bytes(), limit - pool.used_bytes())
 
     def weights_nbytes(self, tensors: Iterable[TensorInfo]) -> int:
-        """Weights stay as their raw GGUF blocks on the device."""
-        return sum(t.nbytes for t in tensors)
+        """Weights stay as their raw GGUF blocks on the device, but for routed experts that :mod:`host_experts`
+        keeps in host memory where the device is too small (those that the following uploads place there)."""
+        tensors = list(tensors)
+        self._on_host = host_experts.plan(tensors, self.free_memory(), available_host_memory())
+        return sum(t.nbytes for t in tensors if t.name not in self._on_host)
 
     def release_scratch(self) -> None:
         """Free the blocks CuPy's pool caches but no array uses. A long prompt's chunks see a longer context each,

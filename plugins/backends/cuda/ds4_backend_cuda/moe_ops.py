@@ -11,6 +11,7 @@ import numpy as np
 
 from ds4_core.backend import Weight
 
+from . import host_experts
 from .gemv import (
     GEMV_TOKENS,
     WARPS_PER_BLOCK,
@@ -177,7 +178,8 @@ def moe_experts(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, i
     quantized, the down projections and their weighted sum in one launch, :func:`moe_down_sum_launch`). Many
     (prefill): tokens grouped by expert on the device, one tensor-core GEMM per expert group
     (:func:`prefill.prefill_moe`); with float32 prefill, or rows whose width the kernels cannot take (not a multiple
-    of 8): grouped on the host through :func:`matmul_raw`.
+    of 8): grouped on the host through :func:`matmul_raw`. Many pairs read every expert, so experts kept in host
+    memory are first copied to the device whole (:func:`host_experts.on_device`).
     """
     T, D = x.shape
     k = idx.shape[1]
@@ -187,6 +189,7 @@ def moe_experts(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, i
             return _experts_summed(x, gate_exps, up_exps, down_exps, flat, k, weights, swiglu_limit)
         h = _expert_gate_up(gate_exps, up_exps, flat, x, k, swiglu_limit)
         return weighted_rows(weights, _expert_gemv(down_exps, flat, h, 1).reshape(T, k, D))
+    gate_exps, up_exps, down_exps = (host_experts.on_device(w) for w in (gate_exps, up_exps, down_exps))
     if tensor_core_prefill() and gate_exps.shape[2] % 8 == 0 and down_exps.shape[2] % 8 == 0:
         return prefill_moe(x, gate_exps, up_exps, down_exps, idx, weights, swiglu_limit)
     return _moe_grouped(x, gate_exps, up_exps, down_exps, idx, weights, swiglu_limit)

@@ -1,0 +1,103 @@
+"""CPU-side checks of which routed experts the CUDA backend keeps in host memory when the device is too small."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from ds4_backend_cuda.host_experts import HEADROOM, plan
+from gguf import GGMLQuantizationType
+
+from ds4_core.errors import BackendError
+from ds4_core.gguf import TensorInfo
+
+GiB = 2**30
+
+
+def _flash_like(layers: int = 4) -> list[TensorInfo]:
+    """Per layer 1 GiB of attention and 3 GiB of routed experts (gate, up, down), then a 1 GiB output head."""
+    out = []
+    for i in range(layers):
+        out.append(TensorInfo(f"blk.{i}.attn_q_b.weight", GGMLQuantizationType.Q8_0, (8, 8), 0, GiB))
+        out += [TensorInfo(f"blk.{i}.ffn_{p}_exps.weight", GGMLQuantizationType.IQ2_XXS, (8, 8), 0, GiB)
+                for p in ("gate", "up", "down")]
+    return [*out, TensorInfo("output.weight", GGMLQuantizationType.Q8_0, (8, 8), 0, GiB)]
+
+
+def _layers(names: set[str]) -> set[int]:
+    assert all("_exps." in n for n in names)
+    return {int(n.split(".")[1]) for n in names}
+
+
+def test_nothing_moves_while_the_weights_fit():
+    tensors = _flash_like()
+    assert plan(tensors, device_free=17 * GiB, host_free=None, setting="auto") == set()
+
+
+def test_auto_moves_the_last_layers_the_device_lacks_and_the_headroom():
+    tensors = _flash_like()  # 17 GiB
+    moved = plan(tensors, device_free=17 * GiB - 1, host_free=100 * GiB, setting="auto")
+    layers = -(-(1 + HEADROOM) // (3 * GiB))  # a byte short, plus the headroom, in layers of 3 GiB of experts
+    assert _layers(moved) == set(range(4 - layers, 4)) and len(moved) == 3 * layers  # gate, up and down together
+
+
+def test_auto_moves_nothing_when_the_host_or_every_expert_is_not_enough():
+    tensors = _flash_like()
+    assert plan(tensors, device_free=12 * GiB, host_free=2 * GiB, setting="auto") == set()
+    assert plan(tensors, device_free=2 * GiB, host_free=100 * GiB, setting="auto") == set()  # 5 GiB are not experts
+
+
+@pytest.mark.parametrize(("setting", "layers"), [("off", set()), ("0", set()), ("all", {0, 1, 2, 3}),
+                                                 ("1", {3}), ("3", {1, 2, 3}), (" All ", {0, 1, 2, 3})])
+def test_the_setting_picks_layers_from_the_last(setting, layers):
+    assert _layers(plan(_flash_like(), device_free=100 * GiB, host_free=100 * GiB, setting=setting)) == layers
+
+
+def test_a_bad_setting_says_what_it_takes():
+    with pytest.raises(BackendError, match=r"DS4_CUDA_HOST_EXPERTS='half': expected auto, off, all or a number"):
+        plan(_flash_like(), device_free=GiB, host_free=GiB, setting="half")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paths", ["float32", "default"])
+def test_experts_in_host_memory_give_the_logits_of_experts_on_the_device(cuda_backend, tmp_path, monkeypatch, paths):
+    """Every layer's routed experts in pinned host memory (``DS4_CUDA_HOST_EXPERTS=all``) give the logits of the same
+    model held on the device: a prompt chunk of many pairs (the experts copied to the device first), one of few
+    pairs and graph-replayed decode steps (both reading host memory in place), on the float32 paths and on the
+    default int8 decode and tensor-core prefill."""
+    import cupy
+    from ds4_backend_cuda.backend import CudaBackend
+    from ds4_backend_cuda.moe_ops import MOE_PAIR_LIMIT
+    from ds4_model_deepseek4.tiny import ensure_default_model
+
+    from ds4_core.engine import Engine
+
+    if paths == "default":  # the suite pins the float32 paths (conftest.py)
+        for name in ("DS4_CUDA_INT8", "DS4_CUDA_PREFILL"):
+            monkeypatch.delenv(name)
+    path = ensure_default_model(tmp_path / "cache")
+    assert 40 * 2 > MOE_PAIR_LIMIT >= 20 * 2  # the tiny model routes each token to 2 experts
+    uploaded: dict[str, object] = {}
+    upload = CudaBackend.upload
+    monkeypatch.setattr(CudaBackend, "upload",
+                        lambda self, name, *a: uploaded.setdefault(name, upload(self, name, *a)))
+
+    def run(setting: str, tokens: list[int]) -> np.ndarray:
+        monkeypatch.setenv("DS4_CUDA_HOST_EXPERTS", setting)
+        uploaded.clear()
+        engine = Engine.load(path, backend="cuda", ctx=128)
+        session = engine.new_session()
+        session.prefill_chunk = 40  # 40 tokens of 2 experts each are more pairs than MOE_PAIR_LIMIT; 20 are fewer
+        rows = [session.feed(list(range(3, 63)))[-1]]
+        for i in range(8):
+            if len(tokens) == i:
+                tokens.append(int(np.argmax(rows[-1])))
+            rows.append(session.feed([tokens[i]])[0])
+        kinds = {name: cupy.cuda.runtime.pointerGetAttributes(w.data.data.ptr).type for name, w in uploaded.items()}
+        engine.close()
+        on_host = {name for name, kind in kinds.items() if kind == cupy.cuda.runtime.memoryTypeHost}
+        assert on_host == ({n for n in kinds if n.startswith("blk.") and "_exps." in n} if setting == "all" else set())
+        return np.stack(rows)
+
+    tokens: list[int] = []
+    on_device = run("off", tokens)
+    np.testing.assert_array_equal(run("all", tokens), on_device)
