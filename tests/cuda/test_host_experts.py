@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from ds4_backend_cuda.host_experts import HEADROOM, plan
+from ds4_backend_cuda.host_experts import HEADROOM, MEMORY_TYPE_HOST, plan
 from gguf import GGMLQuantizationType
 
 from ds4_core.errors import BackendError
@@ -94,7 +94,7 @@ def test_experts_in_host_memory_give_the_logits_of_experts_on_the_device(cuda_ba
             rows.append(session.feed([tokens[i]])[0])
         kinds = {name: cupy.cuda.runtime.pointerGetAttributes(w.data.data.ptr).type for name, w in uploaded.items()}
         engine.close()
-        on_host = {name for name, kind in kinds.items() if kind == cupy.cuda.runtime.memoryTypeHost}
+        on_host = {name for name, kind in kinds.items() if kind == MEMORY_TYPE_HOST}
         assert on_host == ({n for n in kinds if n.startswith("blk.") and "_exps." in n} if setting == "all" else set())
         return np.stack(rows)
 

@@ -32,6 +32,8 @@ ENV = "DS4_CUDA_HOST_EXPERTS"
 #: chunk (at most 4 GiB on Flash shapes), a layer's experts copied in for a prefill chunk (:func:`on_device`, 1.8 GB
 #: on Flash shapes), the decoding state and the decode graphs.
 HEADROOM = 8 * 2**30
+#: ``cudaMemoryTypeHost``, the kind ``cudaPointerGetAttributes`` gives a pinned host allocation.
+MEMORY_TYPE_HOST = 1
 _ROUTED = re.compile(r"blk\.(\d+)\.ffn_\w+_exps\.")
 
 
@@ -82,7 +84,7 @@ def on_device(w: Weight) -> Weight:
     expert, and its tiles' scattered reads of host memory ran ~5 times slower than the bus copies (session 63)."""
     import cupy
 
-    if cupy.cuda.runtime.pointerGetAttributes(w.data.data.ptr).type != cupy.cuda.runtime.memoryTypeHost:
+    if cupy.cuda.runtime.pointerGetAttributes(w.data.data.ptr).type != MEMORY_TYPE_HOST:
         return w
     copy = cupy.empty(w.data.shape, w.data.dtype)
     cupy.cuda.runtime.memcpyAsync(copy.data.ptr, w.data.data.ptr, w.data.nbytes, cupy.cuda.runtime.memcpyDefault,
