@@ -199,9 +199,9 @@ def test_engine_load_on_cuda_refuses_a_context_larger_than_device_memory(cuda_ba
 
 def test_engine_load_on_cuda_refuses_weights_beyond_free_memory_and_reports_a_real_oom_midway(cuda_backend, tmp_path):
     """The pool's limit (``CUPY_GPU_MEMORY_LIMIT``'s) stands for a smaller device: below the weights the load is
-    refused before any upload; with the limit lowered to what the pool holds and its cached blocks taken a third of
-    the way through, CuPy's own out-of-memory error comes out as one message that says how far the load got; then
-    the same file loads and runs."""
+    refused before any upload; with the pool barred from taking more device memory and its cached blocks taken a
+    third of the way through, CuPy's own out-of-memory error comes out as one message that says how far the load
+    got; then the same file loads and runs."""
     import re
 
     import cupy
@@ -226,7 +226,7 @@ def test_engine_load_on_cuda_refuses_weights_beyond_free_memory_and_reports_a_re
         def squeeze(done: int, total: int) -> None:
             if done > total // 3 and not pool.get_limit():
                 pool.free_all_blocks()
-                pool.set_limit(size=pool.total_bytes())  # no new block from the device
+                pool.set_limit(size=1)  # no new block from the device (0 would lift the limit)
                 size = pool.free_bytes()
                 while size >= 512:  # and the pool's cached blocks taken, as another user of the device would
                     try:
