@@ -115,7 +115,8 @@ class CudaBackend(Backend):
         pool = self.xp.get_default_memory_pool()
         free, _ = self.xp.cuda.runtime.memGetInfo()
         limit = pool.get_limit()
-        return free + pool.free_bytes() if not limit else min(free + pool.free_bytes(), limit - pool.used_bytes())
+        available = free + pool.free_bytes()
+        return available if not limit else max(0, min(available, limit - pool.used_bytes()))
 
     def weights_nbytes(self, tensors: Iterable[TensorInfo]) -> int:
         """Weights stay as their raw GGUF blocks on the device, but for routed experts that :mod:`host_experts`
