@@ -99,8 +99,9 @@ class Backend:
         return None
 
     def weights_nbytes(self, tensors: Iterable[TensorInfo]) -> int | None:
-        """Bytes :meth:`upload` keeps for these GGUF tensors (``None``: unknown, and ``Engine.load`` checks
-        nothing before loading)."""
+        """Bytes :meth:`upload` keeps on the device for these GGUF tensors (``None``: unknown, and ``Engine.load``
+        checks nothing before loading). ``Engine.load`` calls it once before the uploads, so a backend may decide
+        here where each tensor goes (the CUDA backend keeps routed experts in host memory when the device is short)."""
         return None
 
     def release_scratch(self) -> None:

@@ -24,10 +24,10 @@ from .descriptors import BackendSpec, ModelSpec, resolve
 from .errors import BackendError, ContextError, DeviceMemoryError, Ds4Error, ModelConfigError
 from .gguf import GGUFFile
 from .log import get_logger
+from .memory import human_bytes
 from .model import Model, copy_state, restore_state_into
 from .plugins import PluginManager, Registry, get_plugin_manager
 from .sampling import Sampler, SamplingParams
-from .sizes import human_bytes
 from .stops import StopScanner
 from .tokenizer import Tokenizer
 

@@ -13,8 +13,8 @@ from rich.table import Table
 from .console import stdout_console
 from .descriptors import resolve
 from .gguf import GGUFFile
+from .memory import human_bytes
 from .plugins import get_plugin_manager
-from .sizes import human_bytes
 
 
 def _count(n: float) -> str:

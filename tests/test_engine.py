@@ -11,8 +11,8 @@ from ds4_core.backends.numpy import NumpyBackend
 from ds4_core.chat import ContentDelta
 from ds4_core.engine import Engine
 from ds4_core.errors import BackendError, ContextError, DeviceMemoryError, Ds4Error
+from ds4_core.memory import human_bytes
 from ds4_core.sampling import SamplingParams
-from ds4_core.sizes import human_bytes
 from ds4_core.stops import StopScanner
 
 

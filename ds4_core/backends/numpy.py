@@ -8,24 +8,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..backend import Backend, Weight
+from ..memory import available_host_memory
 from ..quants import QUANT_NAMES, dequantize
 
 if TYPE_CHECKING:
     from ..gguf import TensorInfo
 
 _INTEGER_TYPES = ("I8", "I16", "I32", "I64")
-
-
-def available_host_memory() -> int | None:
-    """``MemAvailable`` of the host (Linux), else unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def probe() -> tuple[bool, str]:

@@ -209,7 +209,7 @@ def test_engine_load_on_cuda_refuses_weights_beyond_free_memory_and_reports_a_re
 
     from ds4_core.engine import Engine
     from ds4_core.errors import DeviceMemoryError
-    from ds4_core.sizes import human_bytes
+    from ds4_core.memory import human_bytes
 
     path = ensure_default_model(tmp_path / "cache")
     with GGUFFile.open(path) as gguf:

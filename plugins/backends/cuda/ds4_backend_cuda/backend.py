@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ds4_core.backend import Backend, Weight
-from ds4_core.backends.numpy import available_host_memory
 from ds4_core.errors import BackendError
 from ds4_core.log import get_logger
+from ds4_core.memory import available_host_memory
 from ds4_core.quants import tensor_nbytes
 from ds4_core.sampling import Sampler
 

@@ -22,7 +22,7 @@ import numpy as np
 from ds4_core.backend import Weight
 from ds4_core.errors import BackendError
 from ds4_core.log import get_logger
-from ds4_core.sizes import human_bytes
+from ds4_core.memory import human_bytes
 
 if TYPE_CHECKING:
     from ds4_core.gguf import TensorInfo
@@ -81,7 +81,7 @@ def plan(tensors: Sequence[TensorInfo], device_free: int, host_free: int | None,
 
 def on_device(w: Weight) -> Weight:
     """``w``, or for a tensor in host memory a device copy of it made by one bulk copy: a prefill chunk reads every
-    expert, and its tiles' scattered reads of host memory ran ~5 times slower than the bus copies (session 63)."""
+    expert, and its tiles' scattered reads of host memory took ~10 times as long as one bulk copy (session 63)."""
     import cupy
 
     if cupy.cuda.runtime.pointerGetAttributes(w.data.data.ptr).type != MEMORY_TYPE_HOST:
