@@ -1,4 +1,5 @@
-"""CPU-side checks of which routed experts the CUDA backend keeps in host memory when the device is too small."""
+"""Which routed experts the CUDA backend keeps in host memory when the device is too small (CPU), and on the GPU
+that reading them from there gives the bits of experts held on the device."""
 
 from __future__ import annotations
 
@@ -61,9 +62,9 @@ def test_a_bad_setting_says_what_it_takes():
 @pytest.mark.parametrize("paths", ["float32", "default"])
 def test_experts_in_host_memory_give_the_logits_of_experts_on_the_device(cuda_backend, tmp_path, monkeypatch, paths):
     """Every layer's routed experts in pinned host memory (``DS4_CUDA_HOST_EXPERTS=all``) give the logits of the same
-    model held on the device: a prompt chunk of many pairs (the experts copied to the device first), one of few
-    pairs and graph-replayed decode steps (both reading host memory in place), on the float32 paths and on the
-    default int8 decode and tensor-core prefill."""
+    model held on the device: a prompt chunk of many pairs (the experts copied to the device whole), one of few
+    pairs and graph-replayed decode steps (the picked experts gathered into device scratch), on the float32 paths
+    and on the default int8 decode and tensor-core prefill."""
     import cupy
     from ds4_backend_cuda.backend import CudaBackend
     from ds4_backend_cuda.moe_ops import MOE_PAIR_LIMIT
@@ -101,3 +102,32 @@ def test_experts_in_host_memory_give_the_logits_of_experts_on_the_device(cuda_ba
     tokens: list[int] = []
     on_device = run("off", tokens)
     np.testing.assert_array_equal(run("all", tokens), on_device)
+
+
+@pytest.mark.gpu
+def test_gathered_copies_the_picked_experts_and_no_others(cuda_backend):
+    """``gathered`` copies expert idx[p] of each tensor into slot p, leaves a negative id's slot unread (-1), and
+    declines tensors that are all on the device or whose experts are not whole 16-byte words."""
+    import cupy
+    from ds4_backend_cuda.host_experts import gathered, host_array
+
+    from ds4_core.backend import Weight
+
+    rng = np.random.default_rng(7)
+    shapes = [(5, 3, 12, 48), (5, 6, 20, 80)]  # F32 experts, rows, columns, row bytes: 144 and 480 bytes an expert
+    host = [rng.integers(0, 256, (e * r, b), dtype=np.uint8) for e, r, _, b in shapes]
+    weights = tuple(Weight(f"w{i}", "F32", (e, r, c), host_array(cupy, cupy.cuda.Device().id, h, e * r))
+                    for i, ((e, r, c, _), h) in enumerate(zip(shapes, host, strict=True)))
+    idx = cupy.asarray([4, -1, 0, 4], dtype=cupy.int32)
+    copies, slots = gathered(weights, idx)
+    assert slots.tolist() == [0, -1, 2, 3]
+    for (e, r, c, _), h, w, copy in zip(shapes, host, weights, copies, strict=True):
+        assert copy.shape == (4, r, c) and copy.qtype == w.qtype and copy.data.shape == (4 * r, h.shape[1])
+        got = cupy.asnumpy(copy.data).reshape(4, r, -1)
+        experts = h.reshape(e, r, -1)
+        for p, expert in ((0, 4), (2, 0), (3, 4)):
+            np.testing.assert_array_equal(got[p], experts[expert])
+    on_device = tuple(Weight(w.name, w.qtype, w.shape, cupy.asarray(h)) for w, h in zip(weights, host, strict=True))
+    assert gathered(on_device, idx) is None
+    odd = rng.integers(0, 256, (5 * 3, 36), dtype=np.uint8)  # 108 bytes an expert
+    assert gathered((Weight("odd", "F32", (5, 3, 9), host_array(cupy, cupy.cuda.Device().id, odd, 15)),), idx) is None

@@ -1,9 +1,10 @@
 """Routed experts kept in pinned host memory when a model's weights do not fit the device.
 
 A decode step reads only the few experts its router picks, so a layer whose experts stay in host memory costs a
-token those experts' bytes over the bus, not the layer's. Decode kernels read such tensors in place: under unified
-addressing a pinned host allocation has one address that the device dereferences too, so no kernel changes. A
-prefill chunk, which reads every expert, copies the layer's experts to the device first (:func:`on_device`).
+token those experts' bytes over the bus, not the layer's. Under unified addressing a pinned host allocation has one
+address that the device dereferences too: a decode step's launch copies the picked experts into device scratch
+(:func:`gathered`; the ids never leave the device), and a prefill chunk, which reads every expert, copies the layer's
+experts whole first (:func:`on_device`).
 ``DS4_CUDA_HOST_EXPERTS`` picks the layers: ``auto`` (the default: the last layers, only as many as the device
 lacks, plus :data:`HEADROOM`), ``off``, ``all``, or a number of layers counted from the last.
 """
@@ -11,6 +12,7 @@ lacks, plus :data:`HEADROOM`), ``off``, ``all``, or a number of layers counted f
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import re
 from collections import defaultdict
@@ -79,17 +81,63 @@ def plan(tensors: Sequence[TensorInfo], device_free: int, host_free: int | None,
     return names
 
 
+def in_host_memory(w: Weight) -> bool:
+    """Whether ``w``'s data is pinned host memory (a tensor :func:`plan` chose)."""
+    import cupy
+
+    return cupy.cuda.runtime.pointerGetAttributes(w.data.data.ptr).type == MEMORY_TYPE_HOST
+
+
 def on_device(w: Weight) -> Weight:
     """``w``, or for a tensor in host memory a device copy of it made by one bulk copy: a prefill chunk reads every
     expert, and its tiles' scattered reads of host memory took ~10 times as long as one bulk copy (session 63)."""
     import cupy
 
-    if cupy.cuda.runtime.pointerGetAttributes(w.data.data.ptr).type != MEMORY_TYPE_HOST:
+    if not in_host_memory(w):
         return w
     copy = cupy.empty(w.data.shape, w.data.dtype)
     cupy.cuda.runtime.memcpyAsync(copy.data.ptr, w.data.data.ptr, w.data.nbytes, cupy.cuda.runtime.memcpyDefault,
                                   cupy.cuda.get_current_stream().ptr)
     return Weight(w.name, w.qtype, w.shape, copy)
+
+
+#: ``gather_experts``' blocks a multiprocessor, shared among the launch's (pair, tensor) copies.
+_GATHER_BLOCKS_PER_SM = 4
+
+
+@functools.cache
+def _multiprocessors() -> int:
+    import cupy
+
+    return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+
+
+def gathered(experts: tuple[Weight, ...], idx: Any) -> tuple[tuple[Weight, ...], Any] | None:
+    """The experts that ``idx`` (int32 ``[P]`` on the device, a negative id none) picks of the stacked expert tensors
+    ``experts`` (up to three, ``[E, R, C]``), copied by one launch into device scratch ``[P, R, C]``, with the slot
+    ids (p, or -1) that address them there; None when none of them is in host memory or their experts are not whole
+    16-byte words. Scattered reads of host memory by the expert kernels themselves took a Flash layer ~1.6 ms a
+    token (session 63)."""
+    import cupy
+
+    from .modules import glue_kernel
+
+    if not 0 < len(experts) <= 3 or not any(in_host_memory(w) for w in experts):
+        return None
+    expert_bytes = [w.data.nbytes // w.shape[0] for w in experts]
+    if any(n % 16 or w.data.data.ptr % 16 for n, w in zip(expert_bytes, experts, strict=True)):
+        return None
+    pairs = idx.shape[0]
+    copies = tuple(Weight(w.name, w.qtype, (pairs, *w.shape[1:]),
+                          cupy.empty((pairs * n // w.data.shape[1], w.data.shape[1]), cupy.uint8))
+                   for n, w in zip(expert_bytes, experts, strict=True))
+    slots = cupy.empty(pairs, cupy.int32)
+    blocks = max(1, -(-_GATHER_BLOCKS_PER_SM * _multiprocessors() // (pairs * len(experts))))
+    # the launch takes three tensors; with fewer, its grid leaves the repeated ones out
+    glue_kernel("gather_experts")((blocks, pairs, len(experts)), (256,), (
+        *(w.data for w in (experts * 3)[:3]), *(c.data for c in (copies * 3)[:3]),
+        *(np.int64(n // 16) for n in (expert_bytes * 3)[:3]), idx, slots))
+    return copies, slots
 
 
 def host_array(cupy: Any, device: int, host: np.ndarray, rows: int) -> Any:

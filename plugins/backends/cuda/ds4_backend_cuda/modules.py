@@ -239,7 +239,7 @@ GLUE_KERNELS: tuple[str, ...] = ("topk_rank", "dot_rows", "mix_rows", "relu_head
                                  "row_squares", "rope_rows", "rope_tail", "attend_rows", "attend_merge",
                                  "attend_softmax", "route_scores", "route_weights", "route_topk", "route_linear_topk",
                                  "compress_pool", "compress_finish", "index_select", "index_select_radix", "step_index",
-                                 "window_softmax")
+                                 "window_softmax", "gather_experts")
 
 
 @functools.cache

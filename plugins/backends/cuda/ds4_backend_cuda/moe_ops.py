@@ -178,13 +178,16 @@ def moe_experts(x: Any, gate_exps: Weight, up_exps: Weight, down_exps: Weight, i
     quantized, the down projections and their weighted sum in one launch, :func:`moe_down_sum_launch`). Many
     (prefill): tokens grouped by expert on the device, one tensor-core GEMM per expert group
     (:func:`prefill.prefill_moe`); with float32 prefill, or rows whose width the kernels cannot take (not a multiple
-    of 8): grouped on the host through :func:`matmul_raw`. Many pairs read every expert, so experts kept in host
-    memory are first copied to the device whole (:func:`host_experts.on_device`).
+    of 8): grouped on the host through :func:`matmul_raw`. Experts kept in host memory are first copied to the
+    device: the few pairs' own (:func:`host_experts.gathered`), or for many pairs, which read every expert, the
+    tensors whole (:func:`host_experts.on_device`).
     """
     T, D = x.shape
     k = idx.shape[1]
     if T * k <= MOE_PAIR_LIMIT and gate_exps.shape[2] % 8 == 0 and down_exps.shape[2] % 8 == 0:
         flat = cp.ascontiguousarray(idx.reshape(-1), dtype=cp.int32)
+        if gathered := host_experts.gathered((gate_exps, up_exps, down_exps), flat):
+            (gate_exps, up_exps, down_exps), flat = gathered
         if _sums_experts(gate_exps, up_exps, down_exps, k):
             return _experts_summed(x, gate_exps, up_exps, down_exps, flat, k, weights, swiglu_limit)
         h = _expert_gate_up(gate_exps, up_exps, flat, x, k, swiglu_limit)

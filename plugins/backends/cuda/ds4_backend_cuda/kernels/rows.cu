@@ -227,3 +227,33 @@ extern "C" __global__ void relu_head_sum(const float* __restrict__ dots, const f
     for (int h = 0; h < H; ++h) acc = fmaf(w[t * H + h], fmaxf(d[(long long)h * J], 0.f), acc);
     s[t * J + j] = acc * scale;
 }
+
+// Slot p of dst gets expert idx[p] of the stacked expert tensor src, for the few (token, expert) pairs of a decode
+// step whose experts stay in pinned host memory (host_experts.py): whole 128-byte lines over the bus, GATHER_LOADS
+// 16-byte loads a thread in flight, where the GEMVs' own reads of host memory are scattered over many rows at once.
+// Tensor z of up to three is src[z], dst[z], words[z] (an expert's 16-byte words); slots[p] gets p, or -1 where
+// idx[p] is negative (nothing copied: the expert kernels give such a pair zeros). grid (blocks an expert, P, tensors).
+#define GATHER_LOADS 4
+extern "C" __global__ void gather_experts(const uint4* __restrict__ src0, const uint4* __restrict__ src1,
+                                          const uint4* __restrict__ src2, uint4* __restrict__ dst0,
+                                          uint4* __restrict__ dst1, uint4* __restrict__ dst2, long long words0,
+                                          long long words1, long long words2, const int* __restrict__ idx,
+                                          int* __restrict__ slots) {
+    grid_wait();
+    const int z = blockIdx.z, p = blockIdx.y, e = idx[p];
+    if (z == 0 && blockIdx.x == 0 && threadIdx.x == 0) slots[p] = e < 0 ? -1 : p;
+    if (e < 0) return;
+    const long long words = z == 0 ? words0 : z == 1 ? words1 : words2;
+    const uint4* src = (z == 0 ? src0 : z == 1 ? src1 : src2) + e * words;
+    uint4* dst = (z == 0 ? dst0 : z == 1 ? dst1 : dst2) + p * words;
+    const long long step = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < words; i += GATHER_LOADS * step) {
+        uint4 v[GATHER_LOADS];
+#pragma unroll
+        for (int k = 0; k < GATHER_LOADS; k++)
+            if (i + k * step < words) v[k] = src[i + k * step];
+#pragma unroll
+        for (int k = 0; k < GATHER_LOADS; k++)
+            if (i + k * step < words) dst[i + k * step] = v[k];
+    }
+}
