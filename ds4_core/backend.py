@@ -85,7 +85,8 @@ class Backend:
     def memory_info(self) -> dict[str, int]:
         """Bytes on the device as far as the backend knows them (empty: nothing known): ``used`` by its arrays,
         ``peak`` the most ``used`` has been, ``reserved`` by its allocator's cache, ``free`` and ``total`` of the
-        whole device (every allocator and the context). ``ds4 bench -m`` reports them."""
+        whole device (every allocator and the context), ``host`` held for the device in host memory (weights that
+        did not fit it). ``ds4 bench -m`` reports them."""
         return {}
 
     def numerics(self) -> dict[str, str]:

@@ -181,6 +181,23 @@ def test_measurement_report_gives_the_whole_device_where_the_backend_knows_it(ca
                        "7.500 GB after the graph decode")
 
 
+def test_measurement_report_counts_weights_kept_in_host_memory(capsys):
+    """Where a backend keeps weights in host memory (CUDA's routed experts on a device too small), the weights line
+    names both places and the ratio counts both against the file."""
+    from ds4_bench.engine_decode import print_measurement
+
+    gb = 10**9
+    r = {"model": "m.gguf", "backend": "cuda", "prompt_tokens": 8, "prefill_tokens_per_s": 100.0,
+         "prefill_seconds": [0.08], "file_tensor_bytes": 9 * gb, "decode_tokens": 4,
+         "eager_decode_tokens_per_s": 10.0, "state_bytes": 2**20, "context": 14, "state_bytes_per_1k_tokens": 2**20,
+         "memory_after_load": {"used": 7 * gb, "host": 2 * gb + 9 * 10**6, "free": 1 * gb, "total": 8 * gb},
+         "memory_after_prefill": {"used": 7 * gb, "free": 0, "total": 8 * gb}}
+    print_measurement(r)
+    out = capsys.readouterr().out.splitlines()
+    assert ("  weights on the device 7.000 GB and in host memory 2.009 GB for 9.000 GB of tensors in the file "
+            "(1.001x)") in out
+
+
 def test_bench_model_file_must_exist(tmp_path):
     result = CliRunner().invoke(cli, ["bench", "-m", str(tmp_path / "missing.gguf")])
     assert result.exit_code != 0 and "does not exist" in result.output

@@ -94,9 +94,11 @@ def test_experts_in_host_memory_give_the_logits_of_experts_on_the_device(cuda_ba
                 tokens.append(int(np.argmax(rows[-1])))
             rows.append(session.feed([tokens[i]])[0])
         kinds = {name: cupy.cuda.runtime.pointerGetAttributes(w.data.data.ptr).type for name, w in uploaded.items()}
+        host_bytes = engine.backend.memory_info().get("host", 0)
         engine.close()
         on_host = {name for name, kind in kinds.items() if kind == MEMORY_TYPE_HOST}
         assert on_host == ({n for n in kinds if n.startswith("blk.") and "_exps." in n} if setting == "all" else set())
+        assert host_bytes == sum(uploaded[n].data.nbytes for n in on_host)  # what ds4 bench reports
         return np.stack(rows)
 
     tokens: list[int] = []

@@ -55,6 +55,7 @@ class CudaBackend(Backend):
         self._branches = threading.local()
         #: Tensors :meth:`upload` keeps in pinned host memory (``host_experts.plan``, made by :meth:`weights_nbytes`).
         self._on_host: set[str] = set()
+        self._host_bytes = 0
         warm()
 
     def upload(self, name: str, qtype: str, shape: tuple[int, ...], raw: np.ndarray) -> Weight:
@@ -73,6 +74,7 @@ class CudaBackend(Backend):
         rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
         if name in self._on_host:
             data = host_experts.host_array(cupy, self.device.id, host, rows)
+            self._host_bytes += host.size
         else:
             data = cupy.asarray(host.reshape(rows, nbytes // rows))
         return Weight(name, qtype, tuple(shape), data)
@@ -98,10 +100,12 @@ class CudaBackend(Backend):
         return sample_row(row, sampler)
 
     def memory_info(self) -> dict[str, int]:
-        """Bytes in CuPy's pool (``used``, ``reserved``) and the device's ``free``/``total``; CuPy keeps no peak."""
+        """Bytes in CuPy's pool (``used``, ``reserved``), the device's ``free``/``total``, and the weights kept in
+        pinned host memory (``host``, where there are any); CuPy keeps no peak."""
         pool = self.xp.get_default_memory_pool()
         free, total = self.xp.cuda.runtime.memGetInfo()
-        return {"used": pool.used_bytes(), "reserved": pool.total_bytes(), "free": free, "total": total}
+        info = {"used": pool.used_bytes(), "reserved": pool.total_bytes(), "free": free, "total": total}
+        return info | ({"host": self._host_bytes} if self._host_bytes else {})
 
     def numerics(self) -> dict[str, str]:
         """int8 decode activations and 16-bit prefill matmuls, or float32 ones (``numerics.numerics``)."""

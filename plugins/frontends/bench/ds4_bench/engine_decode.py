@@ -91,8 +91,10 @@ def print_measurement(r: dict[str, Any]) -> None:
     print_numerics(r.get("numerics", {}))
     weights = r["memory_after_load"].get("used")
     if weights is not None:
-        print(f"  weights on the device {weights / 1e9:.3f} GB for {r['file_tensor_bytes'] / 1e9:.3f} GB of tensors in "
-              f"the file ({weights / r['file_tensor_bytes']:.3f}x)")
+        host = r["memory_after_load"].get("host", 0)
+        where = f"on the device {weights / 1e9:.3f} GB" + (f" and in host memory {host / 1e9:.3f} GB" if host else "")
+        print(f"  weights {where} for {r['file_tensor_bytes'] / 1e9:.3f} GB of tensors in the file "
+              f"({(weights + host) / r['file_tensor_bytes']:.3f}x)")
     line = f"  decode {r['decode_tokens']} tokens after them: eager {r['eager_decode_tokens_per_s']:.1f} t/s"
     if "graph_decode_tokens_per_s" in r:
         line += (f", graph replay {r['graph_decode_tokens_per_s']:.1f} t/s "
