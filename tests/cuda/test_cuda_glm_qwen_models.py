@@ -72,3 +72,20 @@ def test_cuda_snapshot_restore_replays_exactly(tiny_gguf, engines):
     session.feed(ids[:3])  # wander off, then come back
     session.restore(snap)
     np.testing.assert_array_equal(_feed(session, ids[20:30], (1,)), first)
+
+
+def test_experts_in_host_memory_give_the_logits_of_experts_on_the_device(tiny_gguf, engines, monkeypatch):
+    """Every layer's routed experts in pinned host memory (``DS4_CUDA_HOST_EXPERTS=all``): the same logits, bit for
+    bit, as the experts held on the device, through a whole prefill and through uneven chunks and decode steps."""
+    from ds4_core.engine import Engine
+
+    ids = _ids(tiny_gguf[0], engines["cuda"].model.vocab_size)
+    monkeypatch.setenv("DS4_CUDA_HOST_EXPERTS", "all")
+    hosted = Engine.load(tiny_gguf[1], backend="cuda", ctx=CTX)
+    try:
+        assert hosted.backend.memory_info().get("host", 0) > 0
+        for chunks in ((len(ids),), CHUNKS):
+            np.testing.assert_array_equal(_feed(hosted.new_session(), ids, chunks),
+                                          _feed(engines["cuda"].new_session(), ids, chunks))
+    finally:
+        hosted.close()
