@@ -3,9 +3,10 @@
 A matrix read again and again stays partly in the 50 MB L2 and times faster than inside a step, so each kernel here
 reads a different copy or expert set on every launch: the routed IQ2_XXS gate/up and Q2_K down over 256 experts (a new
 set of 6 each launch, as in a step), and `attn_q_b` and `attn_output_b` (Q8_0) and a CSA layer's F16 projections over
-four copies. Weights are random valid blocks tiled on the device as `ds4 bench` makes them (the kernels do not care that
-they repeat). Each kernel runs in a CUDA graph; the copy bandwidth that ``ds4 bench`` measures (a 4 GiB device-to-device
-copy), measured first, is the roof each GB/s figure is compared with.
+four copies; last, the q4 and mxfp4 recipes' routed experts on float32 and on int8 activations. Weights are random
+valid blocks tiled on the device as `ds4 bench` makes them (the kernels do not care that they repeat). Each kernel
+runs in a CUDA graph; the copy bandwidth that ``ds4 bench`` measures (a 4 GiB device-to-device copy), measured first,
+is the roof each GB/s figure is compared with.
 
 Usage: python benchmarks/decode_gemvs.py   (needs a GPU with the CUDA backend; a few GB of device memory)
 """
@@ -100,6 +101,7 @@ def main() -> None:
         report(name, graph_us(launches), latents[0].nbytes, roof)
     output_projection(roof)
     f16_projections(x, roof)
+    expert_formats(expert_sets, x, roof)
 
 
 def output_projection(roof: float) -> None:
@@ -134,6 +136,27 @@ def f16_projections(x: cp.ndarray, roof: float) -> None:
     xq, yq = cp.asarray(rng.standard_normal((1, 1024)).astype(np.float32)), cp.empty((1, 8192), cp.float32)
     launches = [call(*gemv.gemv_launch(m, "F16", 1024, xq, 1, yq)) for m in queries]
     report("indexer attn_q_b F16", graph_us(launches), queries[0].nbytes, roof)
+
+
+def expert_formats(expert_sets: list[cp.ndarray], x: cp.ndarray, roof: float) -> None:
+    """The routed experts of the q4 and mxfp4 recipes (Q4_K or MXFP4 gate, up and down), each kernel on float32
+    activations and on int8 ones (the gate/up handing its output over quantized to the summed down)."""
+    weights, out = cp.full((1, PAIRS), 1 / PAIRS, cp.float32), cp.empty((1, D), cp.float32)
+    h, y = cp.empty((PAIRS, F), cp.float32), cp.empty((PAIRS, D), cp.float32)
+    h_act = cp.empty(gemv.act_bytes(PAIRS * F), cp.uint8)
+    for qtype in ("Q4_K", "MXFP4"):
+        gate, up = (Weight(n, qtype, (E, F, D), device_blocks(qtype, E * F, D)) for n in ("gate", "up"))
+        down = Weight("down", qtype, (E, D, F), device_blocks(qtype, E * D, F))
+        for int8 in (False, True):
+            kind = "int8" if int8 else "float"
+            gate_up = [call(*gemv.moe_gate_up_launch(gate, up, s, x, PAIRS, 0.0, h, int8=int8,
+                                                     act_out=h_act if int8 else None)) for s in expert_sets]
+            report(f"routed gate/up {qtype} {kind}", graph_us(gate_up), 2 * PAIRS * gate.data.nbytes // E, roof)
+            downs = [call(*(gemv.moe_down_sum_launch(down, s, PAIRS, h, weights, out, act_in=h_act) if int8 else
+                            gemv.moe_gemv_launch(down, s, h, 1, y, int8=False))) for s in expert_sets]
+            report(f"routed down {qtype} {kind}{' summed' if int8 else ''}", graph_us(downs),
+                   PAIRS * down.data.nbytes // E, roof)
+        del gate, up, down
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Error bound: each block b of 32 activations becomes ``q · d_b`` with ``d_b = max|x_b| / 127`` and
 ``|x - q · d_b| <= d_b / 2``, and the integer dot products are exact, so for a row whose element i is
-``a_i · code_i - m_i`` (``m_i`` the Q2_K min term, applied to the exact activation sums, else 0)
+``a_i · code_i - m_i`` (``m_i`` the Q2_K or Q4_K min term, applied to the exact activation sums, else 0)
 
     |y_int8 - y| <= ½ Σ_i |a_i code_i| d_b(i)          (worst case)
     rms(y_int8 - y) ≈ sqrt(Σ_i (a_i code_i)² d_b(i)² / 12)   (independent uniform rounding)
@@ -22,7 +22,7 @@ from ds4_core.quants import block_geometry, dequantize, random_blocks
 
 pytestmark = pytest.mark.gpu
 
-INT8_TYPES = ("Q8_0", "Q2_K", "IQ2_XXS")
+INT8_TYPES = ("Q8_0", "Q4_K", "Q2_K", "IQ2_XXS", "MXFP4")
 
 
 def _pair(backend, qtype: str, shape: tuple[int, ...], rng: np.random.Generator) -> tuple[Weight, Weight, np.ndarray]:
@@ -34,6 +34,12 @@ def _pair(backend, qtype: str, shape: tuple[int, ...], rng: np.random.Generator)
         blocks = raw.reshape(-1, nbytes)
         dmin = blocks[:, 82:84].copy().view(np.float16).astype(np.float64)
         mins = np.repeat(dmin * (blocks[:, :16] >> 4), 16, axis=1).reshape(shape)
+    if qtype == "Q4_K":  # m_i = dmin · the 6-bit min of element i's 32-element sub-block
+        blocks = raw.reshape(-1, nbytes)
+        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float64)
+        packed = blocks[:, 4:16].astype(np.int64)
+        m = np.concatenate([packed[:, 4:8] & 63, (packed[:, 8:12] >> 4) | ((packed[:, 4:8] >> 6) << 4)], axis=1)
+        mins = np.repeat(dmin[:, None] * m, 32, axis=1).reshape(shape)
     return (Weight("w", qtype, shape, dequantize(raw, qtype, shape)), backend.upload("w", qtype, shape, raw), mins)
 
 

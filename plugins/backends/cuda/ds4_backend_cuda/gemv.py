@@ -39,7 +39,7 @@ _CHUNK_BLOCKS = {"F32": 32, "F16": 64, "BF16": 64, "Q8_0": 16, "Q4_0": 64, "Q4_K
 _BLOCK_ELEMS = {"F32": 8, "F16": 8, "BF16": 8, "Q8_0": 32, "Q4_0": 32, "Q4_K": 256, "Q6_K": 256, "Q2_K": 256,
                 "IQ2_XXS": 256, "MXFP4": 32}
 #: Blocks of one row that a warp stages at once in the integer kernels (CHUNK of I8<Q> in quant_int8.cu).
-_CHUNK_BLOCKS_I8 = {"Q8_0": 32, "Q2_K": 4, "IQ2_XXS": 4}
+_CHUNK_BLOCKS_I8 = {"Q8_0": 32, "Q4_K": 4, "Q2_K": 4, "IQ2_XXS": 4, "MXFP4": 32}
 #: Columns of one int8 activation group: codes with one scale and two half sums (``I8Act`` in quant_int8.cu).
 ACT_GROUP = 32
 

@@ -30,7 +30,7 @@ QUANT_KERNELS: dict[str, str] = {"gemv1": "gemv<Q, 1>", "gemv8": "gemv<Q, 8>", "
                                  "moe_gate_up": "moe_gate_up<Q>", "dequant_rows": "dequant_rows<Q>",
                                  "mix_slices": "mix_slices<Q>", "hc_expand_mix_norm": "hc_expand_mix_norm<Q>"}
 #: Formats with integer decode kernels (int8 activations, ``__dp4a``) and those kernels' instantiations.
-INT8_TYPES: tuple[str, ...] = ("Q8_0", "Q2_K", "IQ2_XXS")
+INT8_TYPES: tuple[str, ...] = ("Q8_0", "Q4_K", "Q2_K", "IQ2_XXS", "MXFP4")
 INT8_KERNELS: dict[str, str] = {"gemv1_i8": "gemv_i8<Q>", "moe_gemv_i8": "moe_gemv_i8<Q>",
                                 "moe_gate_up_i8": "moe_gate_up_i8<Q>", "moe_down_sum_i8": "moe_down_sum_i8<Q>"}
 _OPTIONS = ("--std=c++17",)

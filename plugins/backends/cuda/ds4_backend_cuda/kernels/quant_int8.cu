@@ -187,6 +187,67 @@ struct I8<IQ2_XXS> : IQ2_XXS {
     }
 };
 
+// Group g is sub-block g, elements 32g .. 32g + 31: the low (g even) or high (g odd) nibbles of qs[32 (g / 2) + l],
+// with its 6-bit scale and min. As in Q2_K the codes are masked in place: a high nibble's byte is 16 times its code
+// (at most 240, taken unsigned by dp4a), and the integer sum, below 2^24, becomes the same float times 1/16.
+template <>
+struct I8<Q4_K> : Q4_K {
+    static constexpr int CHUNK = 4, TABLE = 0;
+    static __device__ __forceinline__ void fill(u8*) {}
+    static __device__ __forceinline__ float dot(const u8* b, int g, const int (&q)[8], float dx, float s0, float s1,
+                                                const u8*) {
+        const u32* qs = reinterpret_cast<const u32*>(b + 16 + 32 * (g >> 1));
+        const u32 mask = g & 1 ? 0xF0F0F0F0u : 0x0F0F0F0Fu;
+        int sum = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++) sum = I8<Q2_K>::dp4a_unsigned(qs[i] & mask, q[i], sum);
+        int sc, m;
+        scale_min(b + 4, g, sc, m);
+        const float down = g & 1 ? 0.0625f : 1.0f;
+        return half_at(b) * (float)sc * dx * ((float)sum * down) - half_at(b + 2) * (float)m * (s0 + s1);
+    }
+};
+
+// A block is one group: code byte j holds element j (low nibble) and element 16 + j (high nibble). Twice an E2M1
+// magnitude is an integer (0, 1, 2, 3, 4, 6, 8, 12), so four of them are one prmt whose selector nibbles are the
+// codes. A code with its sign bit set makes prmt give the sign of the byte it picks instead, 0 as every table byte
+// is positive: the same selectors pick the positive weights, and with their sign bits flipped the negative ones, and
+// the difference of the two dp4as is the signed sum (the block's scale 2^(e - 128) halves it back).
+template <>
+struct I8<MXFP4> : MXFP4 {
+    static constexpr int CHUNK = 32, TABLE = 0;
+    static constexpr u32 TWICE_LOW = 0x03020100u, TWICE_HIGH = 0x0C080604u;
+    static __device__ __forceinline__ void fill(u8*) {}
+    // The low nibbles of w's four bytes (its other bits zero) as the four selector nibbles of a prmt.
+    static __device__ __forceinline__ u32 selectors(u32 w) {
+        return __byte_perm(w | (w >> 4), 0, 0x0020);
+    }
+    static __device__ __forceinline__ int pick(u32 sel) {
+        u32 v;
+        asm("prmt.b32 %0, %1, %2, %3;" : "=r"(v) : "r"(TWICE_LOW), "r"(TWICE_HIGH), "r"(sel));
+        return (int)v;
+    }
+    static __device__ __forceinline__ float dot(const u8* b, int, const int (&q)[8], float dx, float, float,
+                                                const u8*) {
+        const u8* c = b + 1;
+        const u32 shift = 8 * (u32)(reinterpret_cast<u64>(c) & 3);
+        const u32* w = reinterpret_cast<const u32*>(c - (shift >> 3));
+        int pos = 0, neg = 0;
+        u32 lo = w[0];
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const u32 hi = w[k + 1], codes = __funnelshift_r(lo, hi, shift);
+            lo = hi;
+            const u32 low = selectors(codes & 0x0F0F0F0Fu), high = selectors((codes >> 4) & 0x0F0F0F0Fu);
+            pos = __dp4a(pick(low), q[k], pos);
+            neg = __dp4a(pick(low ^ 0x8888u), q[k], neg);
+            pos = __dp4a(pick(high), q[4 + k], pos);
+            neg = __dp4a(pick(high ^ 0x8888u), q[4 + k], neg);
+        }
+        return ldexpf(dx, (int)b[0] - 128) * (float)(pos - neg);
+    }
+};
+
 // Shared lookup tables of a kernel (at least one word, so that formats without tables still declare one).
 template <class Q>
 struct I8Table {
