@@ -12,7 +12,6 @@ lacks, plus :data:`HEADROOM`), ``off``, ``all``, or a number of layers counted f
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 import re
 from collections import defaultdict
@@ -105,13 +104,6 @@ def on_device(w: Weight) -> Weight:
 _GATHER_BLOCKS_PER_SM = 4
 
 
-@functools.cache
-def _multiprocessors() -> int:
-    import cupy
-
-    return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
-
-
 def gathered(experts: tuple[Weight, ...], idx: Any) -> tuple[tuple[Weight, ...], Any] | None:
     """The experts that ``idx`` (int32 ``[P]`` on the device, a negative id none) picks of the stacked expert tensors
     ``experts`` (up to three, ``[E, R, C]``), copied by one launch into device scratch ``[P, R, C]``, with the slot
@@ -120,6 +112,7 @@ def gathered(experts: tuple[Weight, ...], idx: Any) -> tuple[tuple[Weight, ...],
     token (session 63)."""
     import cupy
 
+    from .gemv import _multiprocessors
     from .modules import glue_kernel
 
     if not 0 < len(experts) <= 3 or not any(in_host_memory(w) for w in experts):
@@ -132,7 +125,7 @@ def gathered(experts: tuple[Weight, ...], idx: Any) -> tuple[tuple[Weight, ...],
                           cupy.empty((pairs * n // w.data.shape[1], w.data.shape[1]), cupy.uint8))
                    for n, w in zip(expert_bytes, experts, strict=True))
     slots = cupy.empty(pairs, cupy.int32)
-    blocks = max(1, -(-_GATHER_BLOCKS_PER_SM * _multiprocessors() // (pairs * len(experts))))
+    blocks = max(1, -(-_GATHER_BLOCKS_PER_SM * _multiprocessors(cupy.cuda.Device().id) // (pairs * len(experts))))
     # the launch takes three tensors; with fewer, its grid leaves the repeated ones out
     glue_kernel("gather_experts")((blocks, pairs, len(experts)), (256,), (
         *(w.data for w in (experts * 3)[:3]), *(c.data for c in (copies * 3)[:3]),
