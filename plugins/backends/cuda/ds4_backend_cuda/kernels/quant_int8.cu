@@ -471,8 +471,8 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS) moe_gemv_i8(
 // a block's rows a group of 32, nrows a multiple of 32): h is also written there quantized, as the I8Act of all
 // P · nrows values one pair after the other, which moe_down_sum_i8 reads in place.
 // GateUp<Q>: warps a block and blocks a multiprocessor each format's kernel is bounded to. Q8_0 (the shared expert,
-// 167 registers) four warps, three blocks; the 2-bit formats eight warps, a block's 32 rows one group of act_out:
-// Q2_K two blocks (126 registers); IQ2_XXS three (80 registers), so that a decode step's 6 routed experts take one
+// 167 registers) four warps, three blocks; the others eight warps, a block's 32 rows one group of act_out: Q2_K,
+// Q4_K and MXFP4 two blocks (Q2_K 126 registers); IQ2_XXS three (80 registers), so that a decode step's 6 routed experts take one
 // wave of 384 blocks beside the shared expert's launch (with blocks of four warps bounded to six a multiprocessor,
 // against 1.45 waves unbounded: in 12-layer Flash decode steps 566 against 554 t/s; as eight warps 22.5 -> 20.0 µs
 // alone, no longer spilling). Four blocks (64 registers) ran at 28.4 µs.
