@@ -109,9 +109,13 @@ def test_experts_in_host_memory_give_the_logits_of_experts_on_the_device(cuda_ba
 @pytest.mark.gpu
 def test_gathered_copies_the_picked_experts_and_no_others(cuda_backend):
     """``gathered`` copies expert idx[p] of each tensor into slot p, leaves a negative id's slot unread (-1), and
-    declines tensors that are all on the device or whose experts are not whole 16-byte words."""
+    declines tensors that are all on the device or whose experts are not whole 16-byte words. ``in_host_memory``
+    skips the driver's query only while no array over pinned memory lives."""
+    import gc
+
     import cupy
-    from ds4_backend_cuda.host_experts import gathered, host_array
+    from ds4_backend_cuda import host_experts
+    from ds4_backend_cuda.host_experts import gathered, host_array, in_host_memory
 
     from ds4_core.backend import Weight
 
@@ -133,3 +137,9 @@ def test_gathered_copies_the_picked_experts_and_no_others(cuda_backend):
     assert gathered(on_device, idx) is None
     odd = rng.integers(0, 256, (5 * 3, 36), dtype=np.uint8)  # 108 bytes an expert
     assert gathered((Weight("odd", "F32", (5, 3, 9), host_array(cupy, cupy.cuda.Device().id, odd, 15)),), idx) is None
+    assert in_host_memory(weights[0]) and not in_host_memory(on_device[0])
+    live = len(host_experts._live)
+    assert live >= 2
+    del weights, w  # the odd tensor's owner went with its Weight already
+    gc.collect()
+    assert len(host_experts._live) == live - 2

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import weakref
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -80,8 +81,24 @@ def plan(tensors: Sequence[TensorInfo], device_free: int, host_free: int | None,
     return names
 
 
+class _PinnedOwner:
+    """Holds a pinned allocation for the arrays made over it, and is in :data:`_live` while any of them lives."""
+
+    __slots__ = ("__weakref__", "memory")
+
+    def __init__(self, memory: Any) -> None:
+        self.memory = memory
+
+
+#: Owners of the pinned allocations :func:`host_array` made that arrays still read; while there are none, no tensor
+#: can be in host memory, so :func:`in_host_memory` asks the driver nothing (every eager MoE call asks it).
+_live: weakref.WeakSet[_PinnedOwner] = weakref.WeakSet()
+
+
 def in_host_memory(w: Weight) -> bool:
     """Whether ``w``'s data is pinned host memory (a tensor :func:`plan` chose)."""
+    if not _live:
+        return False
     import cupy
 
     return cupy.cuda.runtime.pointerGetAttributes(w.data.data.ptr).type == MEMORY_TYPE_HOST
@@ -138,5 +155,7 @@ def host_array(cupy: Any, device: int, host: np.ndarray, rows: int) -> Any:
     size = host.size
     pinned = cupy.cuda.PinnedMemory(size)
     ctypes.memmove(pinned.ptr, host.ctypes.data, size)
-    memory = cupy.cuda.UnownedMemory(pinned.ptr, size, pinned, device_id=device)
+    owner = _PinnedOwner(pinned)
+    _live.add(owner)
+    memory = cupy.cuda.UnownedMemory(pinned.ptr, size, owner, device_id=device)
     return cupy.ndarray((rows, size // rows), cupy.uint8, cupy.cuda.MemoryPointer(memory, 0))
